@@ -1,0 +1,264 @@
+"""``python -m lmfunc.bench``: train-step throughput of lmfunc's functional step vs an nn.Module baseline.
+
+Variants (each run in its own process, alternated across repeats because this box is noisy):
+  func-eager       lmfunc ``make_train_step(compile=False)``
+  func-compiled    lmfunc ``make_train_step()``: one torch.compile(fullgraph) graph
+  module-eager     the same model as an nn.Module, ``loss.backward()``, clip, ``torch.optim.AdamW(fused)``
+  module-compiled  the same with ``torch.compile(model)`` and ``torch.compile(optimizer.step)``
+All variants start from the same weights and train on the same batch, so their first losses match.
+Reports tokens/s and ms/step (medians), MFU against a measured fp32 matmul peak, peak RSS of the
+worker process (compilation included) and compile time (first step minus a steady step, with a
+fresh Inductor cache, so it is a cold compile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import tyro
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Workload and measurement settings."""
+
+    layers: int = 4
+    heads: int = 4
+    hidden: int = 256
+    seq: int = 256
+    vocab: int = 4096
+    batch: int = 8
+    """Sequences per step (one microbatch)."""
+    steps: int = 10
+    """Timed steps per run (after warmup)."""
+    warmup: int = 2
+    """Untimed steps after the first (compiling) step."""
+    repeats: int = 3
+    """Runs per variant; the variants are alternated and medians reported."""
+    threads: int = 1
+    """torch intra-op threads (OMP_NUM_THREADS)."""
+    variants: tuple[str, ...] = ("func-eager", "func-compiled", "module-eager", "module-compiled")
+    json_out: Optional[str] = None
+    """Also write the results to this JSON file."""
+    worker: Optional[str] = None
+    """Internal: run one variant in this process and print its measurements as JSON."""
+
+
+VARIANTS = ("func-eager", "func-compiled", "module-eager", "module-compiled")
+
+
+def _model_config(bc: BenchConfig):
+    from lmfunc.config import ModelConfig
+
+    return ModelConfig(
+        vocab_size=bc.vocab, hidden_size=bc.hidden, num_layers=bc.layers, num_attention_heads=bc.heads,
+        max_position_embeddings=bc.seq,
+    )
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _module_step(cfg, params, compiled: bool):
+    """An idiomatic nn.Module training step with the same math and the same initial weights."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from lmfunc.model import layers
+
+    class Block(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            linear = lambda w: nn.Parameter(w.t().contiguous())  # noqa: E731  [in,out] -> nn.Linear [out,in]
+            self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+            self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+            self.wq, self.wk, self.wv, self.wo = (nn.Linear(1, 1, bias=False) for _ in range(4))
+            self.w_gate, self.w_up, self.w_out = (nn.Linear(1, 1, bias=False) for _ in range(3))
+            for name in ("wq", "wk", "wv", "wo"):
+                getattr(self, name).weight = linear(p["attn"][name])
+            for name in ("w_gate", "w_up", "w_out"):
+                getattr(self, name).weight = linear(p["mlp"][name])
+
+        def forward(self, x, cos, sin):
+            b, s, _ = x.shape
+            h = self.attn_norm(x)
+            q = self.wq(h).view(b, s, cfg.num_attention_heads, cfg.head_dim)
+            k = self.wk(h).view(b, s, cfg.query_groups, cfg.head_dim)
+            v = self.wv(h).view(b, s, cfg.query_groups, cfg.head_dim)
+            q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+            h = self.mlp_norm(x)
+            return x + self.w_out(F.silu(self.w_gate(h)) * self.w_up(h))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed.weight = nn.Parameter(params["embed"]["tokens"].clone())
+            self.blocks = nn.ModuleList(Block(params["layers"][str(i)]) for i in range(cfg.num_layers))
+            self.final_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+
+        def forward(self, tokens, labels):
+            cos, sin = layers.rope_tables(torch.arange(tokens.shape[1]), cfg)
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x, cos, sin)
+            logits = self.final_norm(x) @ self.embed.weight.t()
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    model = GPT()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True,
+    )
+    forward = torch.compile(model) if compiled else model
+    optimizer_step = torch.compile(optimizer.step) if compiled else optimizer.step
+
+    def step(tokens, labels):
+        loss = forward(tokens, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optimizer_step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def run_worker(bc: BenchConfig) -> dict:
+    """Measure one variant in this process."""
+    import torch
+
+    torch.set_num_threads(bc.threads)
+    from lmfunc import model
+    from lmfunc.optim import adamw
+    from lmfunc.train import TrainState, make_train_step
+
+    cfg = _model_config(bc)
+    params = model.init(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)
+    stream = torch.randint(0, cfg.vocab_size, (bc.batch, bc.seq + 1), generator=g)
+    tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+    if bc.worker.startswith("func"):
+        tx = adamw(1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+        train_step = make_train_step(cfg, tx, clip_grad=1.0, compile=bc.worker == "func-compiled")
+        holder = {"state": TrainState.create(params, tx)}
+        batch = {"tokens": tokens[None], "labels": labels[None]}
+
+        def step():
+            holder["state"], metrics = train_step(holder["state"], batch)
+            return metrics["loss"]
+    else:
+        module_step = _module_step(cfg, params, compiled=bc.worker == "module-compiled")
+        step = lambda: module_step(tokens, labels)  # noqa: E731
+
+    start = time.perf_counter()
+    first_loss = float(step())
+    first = time.perf_counter() - start
+    for _ in range(bc.warmup):
+        step()
+    times = []
+    for _ in range(bc.steps):
+        start = time.perf_counter()
+        loss = step()
+        float(loss)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return {
+        "variant": bc.worker, "first_loss": first_loss, "step_s": median, "compile_s": max(first - median, 0.0),
+    }
+
+
+def matmul_peak_flops(threads: int, n: int = 1024, repeats: int = 10) -> float:
+    """Best measured fp32 FLOP/s of an n x n x n matmul with ``threads`` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _spawn(bc: BenchConfig, variant: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(bc.threads))
+    with tempfile.TemporaryDirectory() as cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        args = [sys.executable, "-m", "lmfunc.bench", "--worker", variant]
+        for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads"):
+            args += [f"--{field}", str(getattr(bc, field))]
+        proc = subprocess.run(args, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker {variant!r} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(bc: BenchConfig) -> None:
+    if bc.worker is not None:
+        result = run_worker(bc)
+        result["peak_rss_mib"] = _peak_rss_mib()
+        print(json.dumps(result))
+        return
+    unknown = [v for v in bc.variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
+    from lmfunc.metrics import flops_per_token
+
+    cfg = _model_config(bc)
+    peak = matmul_peak_flops(bc.threads)
+    tokens = bc.batch * bc.seq
+    print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
+          f"batch={bc.batch} fp32, {tokens} tokens/step, threads={bc.threads}")
+    print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
+    runs: dict[str, list[dict]] = {v: [] for v in bc.variants}
+    for r in range(bc.repeats):
+        order = bc.variants if r % 2 == 0 else tuple(reversed(bc.variants))
+        for variant in order:
+            runs[variant].append(_spawn(bc, variant))
+            last = runs[variant][-1]
+            print(f"  repeat {r + 1} {variant:16s} {last['step_s'] * 1e3:9.1f} ms/step  compile {last['compile_s']:6.1f} s", flush=True)
+    header = f"{'variant':16s} {'tokens/s':>9s} {'ms/step':>9s} {'MFU':>6s} {'peak RSS':>9s} {'compile':>8s} {'loss0':>8s}"
+    print(header)
+    summary = {}
+    for variant, results in runs.items():
+        step_s = statistics.median(r["step_s"] for r in results)
+        row = {
+            "tokens_per_s": tokens / step_s,
+            "ms_per_step": step_s * 1e3,
+            "mfu": tokens / step_s * flops_per_token(cfg, bc.seq) / peak,
+            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in results),
+            "compile_s": statistics.median(r["compile_s"] for r in results),
+            "first_loss": results[0]["first_loss"],
+        }
+        summary[variant] = row
+        print(f"{variant:16s} {row['tokens_per_s']:9.0f} {row['ms_per_step']:9.1f} {row['mfu']:6.1%} "
+              f"{row['peak_rss_mib']:8.0f}M {row['compile_s']:7.1f}s {row['first_loss']:8.4f}")
+    if bc.json_out:
+        with open(bc.json_out, "w") as f:
+            json.dump({"config": dataclasses.asdict(bc), "peak_flops": peak, "results": summary}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(BenchConfig))

@@ -1,0 +1,66 @@
+"""JAX-style ``value_and_grad`` for functions of parameter pytrees.
+
+Implementation choice (see docs/architecture.md): gradients come from ``torch.autograd.grad``
+on fresh leaves made with ``detach().requires_grad_(True)``. ``torch.func.grad_and_value``
+would be the obvious choice, but it wraps its inputs and hides the DTensor API
+(``.placements``, ``.redistribute``; pytorch#134462), which lmfunc's parallelism needs.
+``torch.autograd.grad`` works for plain tensors and DTensors alike and traces inside
+``torch.compile(fullgraph=True)`` once ``torch._dynamo.config.trace_autograd_ops`` is on — a
+private flag, set here at import. ``tests/test_grad.py`` fails if that stops compiling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch._dynamo
+
+from lmfunc.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+
+torch._dynamo.config.trace_autograd_ops = True
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def value_and_grad(
+    fn: Callable[..., Any], argnum: int = 0, has_aux: bool = False
+) -> Callable[..., tuple[Any, PyTree]]:
+    """Return ``f(*args) -> (value, grads)`` (``((value, aux), grads)`` with ``has_aux``).
+
+    ``fn`` must return a scalar tensor (or ``(scalar, aux)`` with ``has_aux``). ``grads`` is a
+    pytree shaped like ``args[argnum]``: floating-point leaves get their gradient (zeros where
+    the value does not depend on them), other leaves come back as ``None``. The value and
+    aux are detached. Works eagerly and inside ``torch.compile(fullgraph=True)``.
+    """
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
+        leaves, spec = tree_flatten(args[argnum])
+        differentiable = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
+        inputs = [
+            x.detach().requires_grad_(True) if diff else x for x, diff in zip(leaves, differentiable)
+        ]
+        new_args = list(args)
+        new_args[argnum] = tree_unflatten(inputs, spec)
+        with torch.enable_grad():
+            out = fn(*new_args, **kwargs)
+            value, aux = out if has_aux else (out, None)
+            if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+                raise TypeError(
+                    "value_and_grad: the function must return a scalar tensor"
+                    + (" as the first element of (value, aux)" if has_aux else "")
+                    + f", got {type(value).__name__}"
+                    + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+                )
+            wrt = [x for x, diff in zip(inputs, differentiable) if diff]
+            grads_wrt = torch.autograd.grad(value, wrt, allow_unused=True, materialize_grads=True)
+        grad_iter = iter(grads_wrt)
+        grads = tree_unflatten([next(grad_iter) if diff else None for diff in differentiable], spec)
+        value = value.detach()
+        if has_aux:
+            return (value, tree_map(_detach, aux)), grads
+        return value, grads
+
+    return wrapped

@@ -1,0 +1,5 @@
+"""The GPT model family as pure functions: ``init``, ``param_axes``, ``forward``, ``logits``."""
+
+from lmfunc.model.gpt import forward, init, logits, param_axes, param_shapes, param_specs
+
+__all__ = ["forward", "init", "logits", "param_axes", "param_shapes", "param_specs"]

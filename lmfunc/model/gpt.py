@@ -1,0 +1,204 @@
+"""The GPT decoder as pure functions over a nested-dict parameter tree.
+
+Tree layout (dotted names are stable; ``layers`` is keyed "0", "1", ...)::
+
+    embed.tokens [V, h]            embed.positions [P, h]   (learned_absolute only)
+    layers.<i>.attn_norm.{scale, bias}
+    layers.<i>.attn.{wq [h, a*d], wk [h, g*d], wv [h, g*d], wo [a*d, h], bq, bk, bv, bo, q_norm, k_norm}
+    layers.<i>.mlp_norm.{scale, bias}
+    layers.<i>.mlp.{w_gate, w_up [h, f] | w_in [h, f]; w_out [f, h]; b_*}
+    final_norm.{scale, bias}
+    output [h, V]                  (untied only)
+
+One table (``param_specs``) gives every leaf's shape, logical axes and initialiser, so
+``init`` and ``param_axes`` can never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import NamedTuple, Optional
+
+import torch
+
+from lmfunc.config import ModelConfig
+from lmfunc.model import layers
+from lmfunc.tree import Axes, tree_map, tree_map_with_path
+
+Params = dict
+
+
+class LeafSpec(NamedTuple):
+    """Shape, logical axis names and initialiser ("normal", "scaled_normal", "ones", "zeros") of a leaf."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    init: str
+
+
+def _norm_spec(cfg: ModelConfig, size: int, axis: str) -> dict:
+    spec = {"scale": LeafSpec((size,), (axis,), "ones")}
+    if cfg.normalization == "LayerNorm":
+        spec["bias"] = LeafSpec((size,), (axis,), "zeros")
+    return spec
+
+
+def _layer_spec(cfg: ModelConfig) -> dict:
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
+    q_out, kv_out = cfg.num_attention_heads * d, cfg.query_groups * d
+    attn = {
+        "wq": LeafSpec((h, q_out), ("embed", "heads"), "normal"),
+        "wk": LeafSpec((h, kv_out), ("embed", "kv_heads"), "normal"),
+        "wv": LeafSpec((h, kv_out), ("embed", "kv_heads"), "normal"),
+        "wo": LeafSpec((q_out, h), ("heads", "embed"), "scaled_normal"),
+    }
+    if cfg.add_bias_linear:
+        attn |= {
+            "bq": LeafSpec((q_out,), ("heads",), "zeros"),
+            "bk": LeafSpec((kv_out,), ("kv_heads",), "zeros"),
+            "bv": LeafSpec((kv_out,), ("kv_heads",), "zeros"),
+            "bo": LeafSpec((h,), ("embed",), "zeros"),
+        }
+    if cfg.qk_layernorm:
+        attn |= {"q_norm": _norm_spec(cfg, d, "head_dim"), "k_norm": _norm_spec(cfg, d, "head_dim")}
+    inputs = ("w_gate", "w_up") if cfg.activation == "swiglu" else ("w_in",)
+    mlp = {name: LeafSpec((h, f), ("embed", "mlp"), "normal") for name in inputs}
+    mlp["w_out"] = LeafSpec((f, h), ("mlp", "embed"), "scaled_normal")
+    if cfg.add_bias_linear:
+        mlp |= {"b" + name[1:]: LeafSpec((f,), ("mlp",), "zeros") for name in inputs}
+        mlp["b_out"] = LeafSpec((h,), ("embed",), "zeros")
+    return {
+        "attn_norm": _norm_spec(cfg, h, "embed"),
+        "attn": attn,
+        "mlp_norm": _norm_spec(cfg, h, "embed"),
+        "mlp": mlp,
+    }
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+    """The parameter tree with a ``LeafSpec`` at every leaf."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    embed = {"tokens": LeafSpec((v, h), ("vocab", "embed"), "normal")}
+    if cfg.position_embedding_type == "learned_absolute":
+        embed["positions"] = LeafSpec((cfg.max_position_embeddings, h), ("position", "embed"), "normal")
+    specs: Params = {
+        "embed": embed,
+        "layers": {str(i): _layer_spec(cfg) for i in range(cfg.num_layers)},
+        "final_norm": _norm_spec(cfg, h, "embed"),
+    }
+    if not cfg.tie_embeddings:
+        specs["output"] = LeafSpec((h, v), ("embed", "vocab"), "normal")
+    return specs
+
+
+def _is_spec(x: object) -> bool:
+    return isinstance(x, LeafSpec)
+
+
+def param_axes(cfg: ModelConfig) -> Params:
+    """Same tree as ``init(cfg)`` with the leaf's logical axis names (an ``Axes``) at each leaf."""
+    return tree_map(lambda s: Axes(s.axes), param_specs(cfg), is_leaf=_is_spec)
+
+
+def param_shapes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Params:
+    """Same tree as ``init(cfg)`` with ``meta`` tensors: shapes and dtypes, no storage."""
+    return tree_map(lambda s: torch.empty(s.shape, dtype=dtype, device="meta"), param_specs(cfg), is_leaf=_is_spec)
+
+
+def leaf_seed(seed: int, path: str) -> int:
+    """Seed of one leaf: depends only on the model seed and the leaf's dotted name."""
+    return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
+
+
+def init_leaf(spec: LeafSpec, path: str, cfg: ModelConfig, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Megatron init of one leaf: N(0, std), output projections N(0, std / sqrt(2 L)), norms 1, biases 0."""
+    if spec.init == "ones":
+        return torch.ones(spec.shape, dtype=dtype)
+    if spec.init == "zeros":
+        return torch.zeros(spec.shape, dtype=dtype)
+    std = cfg.init_method_std
+    if spec.init == "scaled_normal":
+        std = std / math.sqrt(2.0 * cfg.num_layers)
+    generator = torch.Generator().manual_seed(leaf_seed(seed, path))
+    return (torch.randn(spec.shape, generator=generator, dtype=torch.float32) * std).to(dtype)
+
+
+def init(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Params:
+    """Initialise all parameters. Each leaf is drawn from its own generator seeded by
+    ``(seed, dotted name)``, so a leaf's values never depend on which other leaves exist."""
+
+    def make(path: str, spec: LeafSpec) -> torch.Tensor:
+        return init_leaf(spec, path, cfg, seed, dtype).to(device)
+
+    return tree_map_with_path(make, param_specs(cfg), is_leaf=_is_spec)
+
+
+def _check_inputs(tokens: torch.Tensor, cfg: ModelConfig, positions, doc_ids) -> None:
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+    if cfg.position_embedding_type == "learned_absolute" and tokens.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {tokens.shape[1]} exceeds model.max_position_embeddings "
+            f"({cfg.max_position_embeddings}) of the learned position table; shorten the sequence "
+            "or raise max_position_embeddings"
+        )
+    for name, t in (("positions", positions), ("doc_ids", doc_ids)):
+        if t is not None and t.shape[-1] != tokens.shape[1]:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but tokens have shape {tuple(tokens.shape)}")
+
+
+def block(
+    p: Params, x: torch.Tensor, cfg: ModelConfig, rope, mask,
+    dropout_seed: Optional[torch.Tensor] = None, layer_index: int = 0,
+) -> torch.Tensor:
+    """One pre-norm transformer block ``[B, S, h] -> [B, S, h]``."""
+    stream = 8 * (layer_index + 1)
+    attn_out = layers.attention(p["attn"], layers.norm(p["attn_norm"], x, cfg), cfg, rope, mask, dropout_seed, stream)
+    x = x + layers.dropout(attn_out, cfg.hidden_dropout, dropout_seed, stream + 1)
+    mlp_out = layers.mlp(p["mlp"], layers.norm(p["mlp_norm"], x, cfg), cfg)
+    return x + layers.dropout(mlp_out, cfg.hidden_dropout, dropout_seed, stream + 2)
+
+
+def forward(
+    params: Params,
+    tokens: torch.Tensor,
+    cfg: ModelConfig,
+    positions: Optional[torch.Tensor] = None,
+    doc_ids: Optional[torch.Tensor] = None,
+    dropout_seed: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Final-normed hidden states ``[B, S, h]`` for ``tokens`` ``[B, S]``.
+
+    positions: ``[B, S]`` or ``[S]`` integer positions (default ``0..S-1``), e.g. restarted
+        after each end-of-document token.
+    doc_ids: ``[B, S]`` document ids; when given, attention is also block-diagonal over
+        documents (a token only sees earlier tokens of its own document).
+    dropout_seed: integer tensor; dropout (``hidden_dropout``/``attention_dropout``) is applied
+        only when it is given, and is a pure function of it.
+    """
+    _check_inputs(tokens, cfg, positions, doc_ids)
+    seq = tokens.shape[1]
+    if positions is None:
+        positions = torch.arange(seq, device=tokens.device)
+    x = params["embed"]["tokens"][tokens]
+    rope = None
+    if cfg.position_embedding_type == "rope":
+        rope = layers.rope_tables(positions, cfg)
+    else:
+        x = x + params["embed"]["positions"][positions]
+    x = layers.dropout(x, cfg.hidden_dropout, dropout_seed, 1)
+    mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
+    for i in range(cfg.num_layers):
+        x = block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
+    return layers.norm(params["final_norm"], x, cfg)
+
+
+def output_weight(params: Params, cfg: ModelConfig) -> torch.Tensor:
+    """The ``[h, V]`` output projection (the transposed token embedding when tied)."""
+    return params["embed"]["tokens"].t() if cfg.tie_embeddings else params["output"]
+
+
+def logits(params: Params, hidden: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Vocabulary logits ``[B, S, V]`` from final hidden states ``[B, S, h]``."""
+    return hidden @ output_weight(params, cfg)

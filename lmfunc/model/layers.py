@@ -1,0 +1,169 @@
+"""Transformer layers as pure functions of (params, activations, config).
+
+Weights are stored ``[in, out]`` (JAX layout): a projection is ``x @ w``. Shapes below use
+B batch, S sequence, h hidden, a query heads, g key/value groups, d head dim, f MLP width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from lmfunc.config import ModelConfig
+
+Params = dict
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least fp32 (bf16/fp16 -> fp32; fp32 and fp64 unchanged)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def norm(p: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """RMSNorm (``p = {"scale"}``) or LayerNorm (``p = {"scale", "bias"}``) over the last dim, in >= fp32."""
+    xf = upcast(x)
+    if cfg.normalization == "RMSNorm":
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.norm_epsilon)
+        return (y * upcast(p["scale"])).to(x.dtype)
+    y = F.layer_norm(xf, xf.shape[-1:], upcast(p["scale"]), upcast(p["bias"]), cfg.norm_epsilon)
+    return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- randomness
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for 32-bit values held in int64, without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (the "lowbias32" finaliser) applied elementwise."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, shape: tuple[int, ...], stream: int) -> torch.Tensor:
+    """Counter-based uniform [0, 1) numbers: a pure function of (seed, stream, element index).
+
+    ``seed`` is an integer tensor (so a new seed never recompiles), ``stream`` a static int that
+    separates call sites (layer and site). No global RNG state is read or written.
+    """
+    index = torch.arange(math.prod(shape), dtype=torch.int64, device=seed.device).view(shape)
+    key = _hash32((seed.to(torch.int64) & 0xFFFFFFFF) ^ _hash32(torch.tensor(stream & 0xFFFFFFFF, device=seed.device)))
+    bits = _hash32(_hash32(index & 0xFFFFFFFF) ^ key ^ ((index >> 32) & 0xFFFFFFFF))
+    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def dropout(x: torch.Tensor, rate: float, seed: Optional[torch.Tensor], stream: int) -> torch.Tensor:
+    """Inverted dropout with an explicit seed; identity when ``rate == 0`` or ``seed is None``."""
+    if rate == 0.0 or seed is None:
+        return x
+    keep = uniform(seed, tuple(x.shape), stream) >= rate
+    return torch.where(keep, x / (1.0 - rate), torch.zeros_like(x))
+
+
+# ----------------------------------------------------------------------------- positions
+def rope_tables(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[..., S, rotary_dim]`` (fp32) for integer ``positions`` ``[..., S]``."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    pos = positions.to(torch.float32)
+    if cfg.seq_len_interpolation_factor is not None:
+        pos = pos / cfg.seq_len_interpolation_factor
+    angles = pos[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of ``x`` ``[B, S, heads, d]`` (half-split layout).
+
+    ``cos``/``sin`` are ``[S, r]`` or ``[B, S, r]``; the remaining ``d - r`` dims pass through.
+    """
+    r = cos.shape[-1]
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    first, second = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+    rotated = torch.cat([-second, first], dim=-1)
+    out = x_rot * cos + rotated * sin
+    return torch.cat([out, x_pass], dim=-1) if r < x.shape[-1] else out
+
+
+# ----------------------------------------------------------------------------- attention
+def attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, 1, S, S]`` mask: causal and block-diagonal over documents (True = attend)."""
+    seq = doc_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (causal & same_doc)[:, None]
+
+
+def _attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+    cfg: ModelConfig, seed: Optional[torch.Tensor], stream: int,
+) -> torch.Tensor:
+    """Softmax attention. q ``[B, a, S, d]``, k/v ``[B, g, S, d]`` -> ``[B, a, S, d]``."""
+    if cfg.attention_dropout > 0.0 and seed is not None:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (upcast(q) @ upcast(k).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if mask is None:
+            seq = q.shape[-2]
+            mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        probs = dropout(probs, cfg.attention_dropout, seed, stream)
+        return (probs.to(v.dtype) @ v)
+    enable_gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+
+
+def attention(
+    p: Params, x: torch.Tensor, cfg: ModelConfig,
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Optional[torch.Tensor],
+    seed: Optional[torch.Tensor] = None, stream: int = 0,
+) -> torch.Tensor:
+    """Causal self-attention (MHA/GQA/MQA) ``[B, S, h] -> [B, S, h]``.
+
+    ``mask`` is None (plain causal) or the boolean ``[B, 1, S, S]`` from ``attention_mask``.
+    """
+    batch, seq, _ = x.shape
+    d, heads, groups = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+    q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+    if cfg.add_bias_linear:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q = q.view(batch, seq, heads, d)
+    k = k.view(batch, seq, groups, d)
+    v = v.view(batch, seq, groups, d)
+    if cfg.qk_layernorm:
+        q, k = norm(p["q_norm"], q, cfg), norm(p["k_norm"], k, cfg)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    out = _attention_core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, cfg, seed, stream)
+    out = out.transpose(1, 2).reshape(batch, seq, heads * d) @ p["wo"]
+    return out + p["bo"] if cfg.add_bias_linear else out
+
+
+def mlp(p: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """SwiGLU ``(silu(x Wg) * x Wu) Wd`` or GeLU ``gelu(x W1) W2``: ``[B, S, h] -> [B, S, h]``."""
+    if cfg.activation == "swiglu":
+        gate, up = x @ p["w_gate"], x @ p["w_up"]
+        if cfg.add_bias_linear:
+            gate, up = gate + p["b_gate"], up + p["b_up"]
+        hidden = F.silu(gate) * up
+    else:
+        hidden = x @ p["w_in"]
+        if cfg.add_bias_linear:
+            hidden = hidden + p["b_in"]
+        hidden = F.gelu(hidden)
+    out = hidden @ p["w_out"]
+    return out + p["b_out"] if cfg.add_bias_linear else out

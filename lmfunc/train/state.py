@@ -1,0 +1,48 @@
+"""``TrainState``: everything a training step reads and writes, as one pytree."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import register_dataclass
+
+from lmfunc.optim import GradientTransformation
+from lmfunc.tree import PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Parameters, optimizer state and counters. A registered pytree: its leaves are tensors.
+
+    step: completed optimizer steps (int64 scalar).
+    consumed_samples: sequences trained on so far (int64 scalar), for resumable data order.
+    rng: base seed of the step's randomness (dropout), int64 scalar.
+    loss_scale: loss-scaler state (None until mixed precision needs one).
+    """
+
+    params: PyTree
+    opt_state: Any
+    step: torch.Tensor
+    consumed_samples: torch.Tensor
+    rng: torch.Tensor
+    loss_scale: Optional[Any] = None
+
+    @classmethod
+    def create(cls, params: PyTree, tx: GradientTransformation, seed: int = 0) -> "TrainState":
+        """A fresh state at step 0 with ``tx.init(params)`` as the optimizer state."""
+        zero = torch.zeros((), dtype=torch.int64)
+        return cls(
+            params=params,
+            opt_state=tx.init(params),
+            step=zero.clone(),
+            consumed_samples=zero.clone(),
+            rng=torch.tensor(seed, dtype=torch.int64),
+        )
+
+    def replace(self, **changes: Any) -> "TrainState":
+        return dataclasses.replace(self, **changes)
+
+
+register_dataclass(TrainState)
