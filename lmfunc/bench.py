@@ -25,6 +25,8 @@ from typing import Optional
 
 import tyro
 
+VARIANTS = ("func-eager", "func-compiled", "module-eager", "module-compiled")
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
@@ -45,14 +47,11 @@ class BenchConfig:
     """Runs per variant; the variants are alternated and medians reported."""
     threads: int = 1
     """torch intra-op threads (OMP_NUM_THREADS)."""
-    variants: tuple[str, ...] = ("func-eager", "func-compiled", "module-eager", "module-compiled")
+    variants: tuple[str, ...] = VARIANTS
     json_out: Optional[str] = None
     """Also write the results to this JSON file."""
     worker: Optional[str] = None
     """Internal: run one variant in this process and print its measurements as JSON."""
-
-
-VARIANTS = ("func-eager", "func-compiled", "module-eager", "module-compiled")
 
 
 def _model_config(bc: BenchConfig):
