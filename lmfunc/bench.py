@@ -63,16 +63,6 @@ def _model_config(bc: BenchConfig):
     )
 
 
-def _peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _module_step(cfg, params, compiled: bool):
     """An idiomatic nn.Module training step with the same math and the same initial weights."""
     import torch
@@ -187,20 +177,6 @@ def run_worker(bc: BenchConfig) -> dict:
     }
 
 
-def matmul_peak_flops(threads: int, n: int = 1024, repeats: int = 10) -> float:
-    """Best measured fp32 FLOP/s of an n x n x n matmul with ``threads`` threads."""
-    import torch
-
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
 def _spawn(bc: BenchConfig, variant: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(bc.threads))
     with tempfile.TemporaryDirectory() as cache:
@@ -215,18 +191,19 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
 
 
 def main(bc: BenchConfig) -> None:
+    from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops, memory_stats_mib
+
     if bc.worker is not None:
         result = run_worker(bc)
-        result["peak_rss_mib"] = _peak_rss_mib()
+        result["peak_rss_mib"] = memory_stats_mib()["peak_rss"]
         print(json.dumps(result))
         return
     unknown = [v for v in bc.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
-    from lmfunc.metrics import flops_per_token
 
     cfg = _model_config(bc)
-    peak = matmul_peak_flops(bc.threads)
+    peak = measure_matmul_peak_flops(threads=bc.threads)
     tokens = bc.batch * bc.seq
     print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
           f"batch={bc.batch} fp32, {tokens} tokens/step, threads={bc.threads}")

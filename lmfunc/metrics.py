@@ -6,6 +6,11 @@ attention's core is counted causally (half of the S x S scores), as Megatron doe
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
+import torch
+
 from lmfunc.config import ModelConfig
 
 
@@ -28,3 +33,54 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> int:
 def mfu(tokens_per_second: float, cfg: ModelConfig, seq_length: int, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved training FLOP/s over ``peak_flops``."""
     return tokens_per_second * flops_per_token(cfg, seq_length) / peak_flops
+
+
+def measure_matmul_peak_flops(
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10,
+    threads: Optional[int] = None,
+) -> float:
+    """Best measured FLOP/s of an ``n x n x n`` matmul on ``device`` (with ``threads`` CPU threads if given).
+
+    Used as the MFU denominator when no peak is configured, so MFU never rests on a guessed constant.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _proc_status_mib(field: str) -> Optional[float]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_stats_mib(device: str | torch.device = "cpu") -> dict[str, float]:
+    """Memory in MiB: ``rss``/``peak_rss`` of this process (Linux), and ``cuda_peak`` allocated on CUDA."""
+    stats = {}
+    for key, field in (("rss", "VmRSS"), ("peak_rss", "VmHWM")):
+        value = _proc_status_mib(field)
+        if value is not None:
+            stats[key] = value
+    if "peak_rss" not in stats:
+        import resource
+
+        stats["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if torch.device(device).type == "cuda":
+        stats["cuda_peak"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return stats

@@ -160,6 +160,17 @@ def block(
     return x + layers.dropout(mlp_out, cfg.hidden_dropout, dropout_seed, stream + 2)
 
 
+def embed(
+    params: Params, tokens: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig
+) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """Token embeddings ``[B, S, h]`` (plus learned position embeddings) and the RoPE cos/sin
+    tables for ``positions`` (None with learned positions)."""
+    x = params["embed"]["tokens"][tokens]
+    if cfg.position_embedding_type == "rope":
+        return x, layers.rope_tables(positions, cfg)
+    return x + params["embed"]["positions"][positions], None
+
+
 def forward(
     params: Params,
     tokens: torch.Tensor,
@@ -181,12 +192,7 @@ def forward(
     seq = tokens.shape[1]
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)
-    x = params["embed"]["tokens"][tokens]
-    rope = None
-    if cfg.position_embedding_type == "rope":
-        rope = layers.rope_tables(positions, cfg)
-    else:
-        x = x + params["embed"]["positions"][positions]
+    x, rope = embed(params, tokens, positions, cfg)
     x = layers.dropout(x, cfg.hidden_dropout, dropout_seed, 1)
     mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
     for i in range(cfg.num_layers):

@@ -127,15 +127,10 @@ def _attention_core(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
 
 
-def attention(
-    p: Params, x: torch.Tensor, cfg: ModelConfig,
-    rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Optional[torch.Tensor],
-    seed: Optional[torch.Tensor] = None, stream: int = 0,
-) -> torch.Tensor:
-    """Causal self-attention (MHA/GQA/MQA) ``[B, S, h] -> [B, S, h]``.
-
-    ``mask`` is None (plain causal) or the boolean ``[B, 1, S, S]`` from ``attention_mask``.
-    """
+def project_qkv(
+    p: Params, x: torch.Tensor, cfg: ModelConfig, rope: Optional[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries ``[B, S, a, d]`` and keys/values ``[B, S, g, d]`` of ``x`` ``[B, S, h]`` (QK-norm and RoPE applied)."""
     batch, seq, _ = x.shape
     d, heads, groups = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
     q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
@@ -148,9 +143,28 @@ def attention(
         q, k = norm(p["q_norm"], q, cfg), norm(p["k_norm"], k, cfg)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    out = _attention_core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, cfg, seed, stream)
-    out = out.transpose(1, 2).reshape(batch, seq, heads * d) @ p["wo"]
+    return q, k, v
+
+
+def project_out(p: Params, heads_out: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The output projection of attention heads ``[B, a, S, d]`` -> ``[B, S, h]``."""
+    batch, _, seq, _ = heads_out.shape
+    out = heads_out.transpose(1, 2).reshape(batch, seq, -1) @ p["wo"]
     return out + p["bo"] if cfg.add_bias_linear else out
+
+
+def attention(
+    p: Params, x: torch.Tensor, cfg: ModelConfig,
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Optional[torch.Tensor],
+    seed: Optional[torch.Tensor] = None, stream: int = 0,
+) -> torch.Tensor:
+    """Causal self-attention (MHA/GQA/MQA) ``[B, S, h] -> [B, S, h]``.
+
+    ``mask`` is None (plain causal) or the boolean ``[B, 1, S, S]`` from ``attention_mask``.
+    """
+    q, k, v = project_qkv(p, x, cfg, rope)
+    out = _attention_core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, cfg, seed, stream)
+    return project_out(p, out, cfg)
 
 
 def mlp(p: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

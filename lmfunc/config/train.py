@@ -1,0 +1,295 @@
+"""``TrainConfig``: one frozen dataclass tree describing a whole training run.
+
+Sections: ``model`` (the network), ``data`` (where tokens come from), ``optim`` (AdamW and the
+lr schedule), ``precision``, ``parallel``, ``checkpoint``, ``log`` and ``run`` (batch sizes,
+length, evaluation, seeds, output directory). Field names follow Megatron-LM's arguments; the
+field docstrings are the ``--help`` text of ``python -m lmfunc.train``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from lmfunc.config.model import ConfigError, ModelConfig
+from lmfunc.optim.schedules import DecayStyle, WSDDecayStyle
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training text, its split into train/validation/test documents, and how samples are masked."""
+
+    text_file: Optional[str] = None
+    """A UTF-8 text file to train on (its paragraphs, separated by blank lines, are the documents).
+    None trains on the embedded corpus: the Python reference topics that ship with every Python
+    installation (``pydoc_data``)."""
+    split: str = "90,10,0"
+    """Train/validation/test weights over the documents, Megatron's ``--split`` syntax."""
+    seq_length: int = 256
+    """Tokens per training sequence."""
+    seed: Optional[int] = None
+    """Seed of the sample order; None uses run.seed."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Block attention across documents inside a sequence."""
+    eod_mask_loss: bool = False
+    """Do not train on predictions whose input token is end-of-document."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with Megatron's learning-rate schedule (warmup, then decay)."""
+
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the decay."""
+    lr_decay_style: DecayStyle = "cosine"
+    """Decay after warmup: constant, linear, cosine, inverse-square-root or WSD."""
+    lr_warmup_iters: int = 20
+    """Warmup length in iterations (iteration-based runs)."""
+    lr_warmup_samples: int = 0
+    """Warmup length in samples (sample-based runs, with run.train_samples)."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of the decay length; overrides lr_warmup_iters/samples."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of the warmup."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations until min_lr; None means run.train_iters."""
+    lr_decay_samples: Optional[int] = None
+    """Samples until min_lr (sample-based runs); None means run.train_samples."""
+    lr_wsd_decay_style: WSDDecayStyle = "exponential"
+    """Annealing shape of the WSD schedule's final phase."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """Length of the WSD annealing phase in iterations."""
+    lr_wsd_decay_samples: Optional[int] = None
+    """Length of the WSD annealing phase in samples (sample-based runs)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (norm scales and biases are exempt)."""
+    adam_beta1: float = 0.9
+    """Adam first-moment decay."""
+    adam_beta2: float = 0.95
+    """Adam second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Numerics. This version trains in fp32 only; bf16/fp16 with loss scaling come later."""
+
+    compute_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype of the forward/backward (only fp32 is accepted in this version)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh sizes. This version runs on one process; every size must be 1."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP-style)."""
+    dp_shard: int = 1
+    """Data-parallel shards (FSDP-style)."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    cp: int = 1
+    """Context-parallel size."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What is saved. (Sharded, resumable training checkpoints come later.)"""
+
+    save_weights: bool = True
+    """Write the final parameters to RUN_DIR/model.safetensors (read by ``python -m lmfunc.generate``)."""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Terminal, JSONL and TensorBoard logging."""
+
+    log_interval: int = 10
+    """Print a log line (and a JSONL record) every this many iterations."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard package)."""
+    peak_flops: Optional[float] = None
+    """Peak FLOP/s of the device for MFU; None measures an fp32 matmul peak at start."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Batch sizes, training length, evaluation, seeds and the output directory."""
+
+    micro_batch_size: int = 8
+    """Sequences per microbatch (per data-parallel rank)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step; microbatches = global / (micro x data-parallel size)."""
+    rampup_batch_size: Optional[tuple[int, int, int]] = None
+    """Megatron's ramp-up: START INCREMENT SAMPLES. The global batch grows from START by INCREMENT
+    over SAMPLES samples (needs run.train_samples)."""
+    train_iters: Optional[int] = 300
+    """Optimizer steps to train (iteration-based runs)."""
+    train_samples: Optional[int] = None
+    """Sequences to train on (sample-based runs; set run.train_iters to None)."""
+    exit_duration_in_mins: Optional[float] = None
+    """Stop after this many minutes of training."""
+    eval_interval: int = 100
+    """Evaluate on the validation split every this many iterations (and at the end)."""
+    eval_iters: int = 4
+    """Validation batches (of global_batch_size sequences) per evaluation; 0 disables evaluation."""
+    seed: int = 1234
+    """Seed of the parameter init, the data order (unless data.seed) and dropout."""
+    out_dir: str = "runs"
+    """Directory that holds one sub-directory per run."""
+    name: Optional[str] = None
+    """Run directory name inside out_dir; None uses a timestamp."""
+    compile: bool = True
+    """Compile the train and eval steps with torch.compile."""
+    sample_prompt: str = "The "
+    """Prompt of the text sample printed at the end of training."""
+    sample_tokens: int = 200
+    """Tokens generated for the end-of-run sample; 0 skips it."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> "TrainConfig":
+        """Raise ``ConfigError`` naming the fields and the fix when settings contradict; return self."""
+        validate_train(self)
+        return self
+
+    def replace(self, **sections: object) -> "TrainConfig":
+        return dataclasses.replace(self, **sections)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(value: object, name: str) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+             f"{name} must be a positive integer, got {value!r}")
+
+
+def _validate_batch(run: RunConfig, dp: int) -> None:
+    _positive(run.micro_batch_size, "run.micro_batch_size")
+    _positive(run.global_batch_size, "run.global_batch_size")
+    unit = run.micro_batch_size * dp
+    _require(
+        run.global_batch_size % unit == 0,
+        f"run.global_batch_size ({run.global_batch_size}) is not divisible by run.micro_batch_size "
+        f"({run.micro_batch_size}) x data-parallel size ({dp}) = {unit}; make global_batch_size a multiple of {unit}",
+    )
+    if run.rampup_batch_size is None:
+        return
+    start, increment, samples = run.rampup_batch_size
+    _require(run.train_samples is not None,
+             "run.rampup_batch_size needs a sample-based run: set run.train_samples and run.train_iters to None")
+    _require(0 < start <= run.global_batch_size and increment > 0 and samples >= 0,
+             f"run.rampup_batch_size {run.rampup_batch_size} must be START INCREMENT SAMPLES with "
+             f"0 < START <= run.global_batch_size ({run.global_batch_size}), INCREMENT > 0, SAMPLES >= 0")
+    _require(
+        (run.global_batch_size - start) % increment == 0,
+        f"run.rampup_batch_size: global_batch_size - START ({run.global_batch_size} - {start}) is not "
+        f"divisible by INCREMENT ({increment}); pick an increment that divides it",
+    )
+    for size in range(start, run.global_batch_size + 1, increment):
+        _require(size % unit == 0,
+                 f"run.rampup_batch_size passes through a global batch of {size}, not divisible by "
+                 f"run.micro_batch_size x data-parallel size = {unit}; make START and INCREMENT multiples of {unit}")
+
+
+def _validate_length(cfg: TrainConfig) -> None:
+    run, optim = cfg.run, cfg.optim
+    _require((run.train_iters is None) != (run.train_samples is None),
+             "set exactly one of run.train_iters (iteration-based) and run.train_samples (sample-based); "
+             f"got train_iters={run.train_iters}, train_samples={run.train_samples}")
+    if run.train_iters is not None:
+        _positive(run.train_iters, "run.train_iters")
+        for name in ("lr_decay_samples", "lr_wsd_decay_samples"):
+            _require(getattr(optim, name) is None,
+                     f"optim.{name} is for sample-based runs; this run sets run.train_iters, so use "
+                     f"optim.{name.replace('samples', 'iters')}")
+        _require(optim.lr_warmup_samples == 0,
+                 "optim.lr_warmup_samples is for sample-based runs; this run sets run.train_iters, so use "
+                 "optim.lr_warmup_iters")
+        unit, total, warmup = "iters", optim.lr_decay_iters or run.train_iters, optim.lr_warmup_iters
+    else:
+        _positive(run.train_samples, "run.train_samples")
+        for name in ("lr_decay_iters", "lr_wsd_decay_iters"):
+            _require(getattr(optim, name) is None,
+                     f"optim.{name} is for iteration-based runs; this run sets run.train_samples, so use "
+                     f"optim.{name.replace('iters', 'samples')}")
+        unit, total, warmup = "samples", optim.lr_decay_samples or run.train_samples, optim.lr_warmup_samples
+        _require(optim.lr_warmup_iters == 0 or optim.lr_warmup_fraction is not None,
+                 f"optim.lr_warmup_iters ({optim.lr_warmup_iters}) is for iteration-based runs; this run sets "
+                 "run.train_samples, so set optim.lr_warmup_iters to 0 and use optim.lr_warmup_samples")
+    if optim.lr_warmup_fraction is not None:
+        _require(0.0 <= optim.lr_warmup_fraction <= 1.0,
+                 f"optim.lr_warmup_fraction must be in [0, 1], got {optim.lr_warmup_fraction}")
+        warmup = int(optim.lr_warmup_fraction * total)
+    length = "run.train_iters" if unit == "iters" else "run.train_samples"
+    _require(0 <= warmup <= total,
+             f"optim.lr_warmup_{unit} ({warmup}) is longer than the decay (optim.lr_decay_{unit} or {length} = "
+             f"{total}); shorten the warmup or train longer")
+    if optim.lr_decay_style == "WSD":
+        wsd = optim.lr_wsd_decay_iters if unit == "iters" else optim.lr_wsd_decay_samples
+        _require(wsd is not None and 0 < wsd <= total,
+                 f"optim.lr_decay_style WSD needs 0 < optim.lr_wsd_decay_{unit} <= {total}, got {wsd}")
+
+
+def validate_train(cfg: TrainConfig) -> None:
+    """Cross-field checks of a ``TrainConfig`` (each section's own fields are checked too)."""
+    run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
+    _validate_batch(run, cfg.parallel.data_parallel_size)
+    _validate_length(cfg)
+    _positive(data.seq_length, "data.seq_length")
+    if cfg.model.position_embedding_type == "learned_absolute":
+        _require(data.seq_length <= cfg.model.max_position_embeddings,
+                 f"data.seq_length ({data.seq_length}) exceeds model.max_position_embeddings "
+                 f"({cfg.model.max_position_embeddings}) of the learned position table; raise one or lower the other")
+    _require(optim.lr > 0 and 0 <= optim.min_lr <= optim.lr,
+             f"need optim.lr > 0 and 0 <= optim.min_lr <= optim.lr, got lr={optim.lr}, min_lr={optim.min_lr}")
+    _require(0 <= optim.adam_beta1 < 1 and 0 <= optim.adam_beta2 < 1,
+             f"optim.adam_beta1/adam_beta2 must be in [0, 1), got {optim.adam_beta1}, {optim.adam_beta2}")
+    _require(optim.clip_grad >= 0, f"optim.clip_grad must be >= 0 (0 disables clipping), got {optim.clip_grad}")
+    _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+    _positive(log.log_interval, "log.log_interval")
+    _require(log.peak_flops is None or log.peak_flops > 0, f"log.peak_flops must be positive, got {log.peak_flops}")
+    _positive(run.eval_interval, "run.eval_interval")
+    _require(run.eval_iters >= 0, f"run.eval_iters must be >= 0, got {run.eval_iters}")
+    _require(run.exit_duration_in_mins is None or run.exit_duration_in_mins > 0,
+             f"run.exit_duration_in_mins must be positive, got {run.exit_duration_in_mins}")
+    _require(run.sample_tokens >= 0, f"run.sample_tokens must be >= 0, got {run.sample_tokens}")
+    _require(cfg.precision.compute_dtype == "fp32",
+             f"precision.compute_dtype {cfg.precision.compute_dtype!r} is not supported by this version of "
+             "lmfunc yet; use fp32")
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+        value = getattr(cfg.parallel, name)
+        _positive(value, f"parallel.{name}")
+        _require(value == 1, f"parallel.{name} = {value}: this version of lmfunc trains on one process only; "
+                             "set every parallel size to 1")

@@ -1,0 +1,1 @@
+"""Data: tokenizers, the embedded corpus, datasets and batches (data flows model-ward from here)."""

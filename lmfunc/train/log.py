@@ -1,0 +1,73 @@
+"""Where a run's numbers go: the terminal (a tqdm bar and log lines), ``log.jsonl`` and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Optional
+
+from tqdm import tqdm
+
+from lmfunc.config.model import ConfigError
+
+
+def _open_tensorboard(path: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "log.tensorboard needs the tensorboard package: pip install tensorboard "
+            "(or pip install -e '.[tensorboard]'), or drop --log.tensorboard"
+        ) from None
+    return SummaryWriter(path)
+
+
+class RunLogger:
+    """Writes records to ``RUN_DIR/log.jsonl`` (one JSON object per line with ``kind`` and ``step``),
+    mirrors numeric fields to TensorBoard as ``<kind>/<field>``, and owns the terminal output."""
+
+    def __init__(self, run_dir: str, total_steps: int, progress_bar: bool = True, tensorboard: bool = False):
+        self.path = os.path.join(run_dir, "log.jsonl")
+        self._tb = _open_tensorboard(os.path.join(run_dir, "tensorboard")) if tensorboard else None
+        self._file = open(self.path, "a")
+        self._bar: Optional[tqdm] = None
+        if progress_bar:
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def echo(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def progress(self, step: int, **values: Any) -> None:
+        """Advance the bar to ``step`` and show ``values`` beside it."""
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix(values, refresh=False)
+
+    def record(self, kind: str, step: int, **values: Any) -> None:
+        """Append one JSONL record (and TensorBoard scalars for its numbers)."""
+        entry = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(entry) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+def read_log(path: str) -> list[dict]:
+    """The records of a ``log.jsonl`` file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

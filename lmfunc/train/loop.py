@@ -1,0 +1,234 @@
+"""The training loop: data, the compiled step, evaluation, logging, exit conditions, a final sample.
+
+``train(cfg)`` runs a whole ``TrainConfig`` on one process and returns what happened. Everything
+random is seeded from the config, so the same config gives the same losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+import yaml
+
+from lmfunc import model
+from lmfunc.checkpoint import save_weights
+from lmfunc.config.model import ConfigError
+from lmfunc.config.train import RunConfig, TrainConfig
+from lmfunc.config.yaml_io import config_to_dict, save_config
+from lmfunc.data.batch import lm_batch
+from lmfunc.data.corpus import embedded_documents, text_file_documents
+from lmfunc.data.text_dataset import TextDataset, build_splits
+from lmfunc.data.tokenizer import ByteTokenizer
+from lmfunc.generate import generate
+from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops, memory_stats_mib
+from lmfunc.train.batching import BatchPlan
+from lmfunc.train.log import RunLogger
+from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
+from lmfunc.train.state import TrainState
+from lmfunc.train.step import make_eval_step, make_train_step
+from lmfunc.tree import tree_size
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run did: its directory, the losses it logged and the final text sample."""
+
+    run_dir: str
+    steps: int
+    consumed_samples: int
+    train_losses: list[tuple[int, float]]
+    val_losses: list[tuple[int, float]]
+    sample: Optional[str]
+    exit_reason: str
+
+
+class _Throughput:
+    """Tokens per second since the last ``reset``, with paused time (evaluation) left out."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens, self.since = 0, time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def pause(self, seconds: float) -> None:
+        self.since += seconds
+
+    def rate(self) -> Optional[float]:
+        """None until a timed step has finished."""
+        return self.tokens / (time.perf_counter() - self.since) if self.tokens else None
+
+
+def create_run_dir(run: RunConfig) -> str:
+    """``out_dir/name`` (a timestamp when ``name`` is None), created; an existing named run is an error."""
+    if run.name is not None:
+        path = os.path.join(run.out_dir, run.name)
+        if os.path.exists(os.path.join(path, "log.jsonl")):
+            raise ConfigError(f"run directory {path} already holds a run; pick another run.name or remove it")
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path, n = os.path.join(run.out_dir, stamp), 1
+        while os.path.exists(path):
+            path, n = os.path.join(run.out_dir, f"{stamp}-{n}"), n + 1
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _datasets(cfg: TrainConfig, tokenizer: ByteTokenizer) -> tuple[TextDataset, Optional[TextDataset]]:
+    data = cfg.data
+    documents = text_file_documents(data.text_file) if data.text_file is not None else embedded_documents()
+    seed = cfg.run.seed if data.seed is None else data.seed
+    splits = build_splits(documents, tokenizer, data.split, data.seq_length, seed)
+    if splits["train"] is None:
+        raise ConfigError(f"data.split {data.split!r} leaves no training documents (of {len(documents)})")
+    if cfg.run.eval_iters > 0 and splits["valid"] is None:
+        raise ConfigError(
+            f"data.split {data.split!r} leaves no validation documents (of {len(documents)}) but run.eval_iters "
+            f"is {cfg.run.eval_iters}; give the validation split a weight or set run.eval_iters to 0"
+        )
+    return splits["train"], splits["valid"]
+
+
+def _batch(dataset: TextDataset, start: int, microbatches: int, cfg: TrainConfig, eod: int) -> dict:
+    micro = cfg.run.micro_batch_size
+    samples = dataset.samples(start, microbatches * micro).reshape(microbatches, micro, -1)
+    d = cfg.data
+    return lm_batch(samples, eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+
+
+def _evaluate(eval_step, params, dataset: TextDataset, cfg: TrainConfig, eod: int) -> float:
+    """Mean validation loss over the first ``eval_iters`` global batches of the validation split."""
+    microbatches = cfg.run.global_batch_size // cfg.run.micro_batch_size
+    loss_sum, count = 0.0, 0.0
+    for i in range(cfg.run.eval_iters):
+        out = eval_step(params, _batch(dataset, i * cfg.run.global_batch_size, microbatches, cfg, eod))
+        loss_sum, count = loss_sum + float(out["loss_sum"]), count + float(out["num_tokens"])
+    return loss_sum / max(count, 1.0)
+
+
+def _sample_text(params, cfg: TrainConfig, tokenizer: ByteTokenizer) -> Optional[str]:
+    prompt = tokenizer.encode(cfg.run.sample_prompt) or [tokenizer.eod]
+    new_tokens = min(cfg.run.sample_tokens, cfg.model.max_position_embeddings - len(prompt))
+    if new_tokens <= 0:
+        return None
+    tokens = generate(params, cfg.model, prompt, new_tokens, temperature=0.8, top_k=40, seed=cfg.run.seed)
+    return tokenizer.decode(tokens.tolist())
+
+
+def train(cfg: TrainConfig) -> RunResult:
+    """Train ``cfg`` (validated first) and return the run's losses, directory and sample."""
+    cfg.validate()
+    tokenizer = ByteTokenizer()
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the byte tokenizer's {tokenizer.vocab_size} ids; "
+            "set model.vocab_size to at least 258 (384 is the Megatron-padded size)"
+        )
+    train_data, valid_data = _datasets(cfg, tokenizer)
+    run, seq = cfg.run, cfg.data.seq_length
+    plan = BatchPlan.from_config(run, cfg.parallel.data_parallel_size)
+    train_iters = run.train_iters if run.train_iters is not None else plan.train_iters_for_samples(run.train_samples)
+    if train_iters < 1:
+        raise ConfigError(f"run.train_samples ({run.train_samples}) is less than one global batch; train longer")
+
+    run_dir = create_run_dir(run)
+    save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    logger = RunLogger(run_dir, train_iters, cfg.log.progress_bar, cfg.log.tensorboard)
+    logger.echo("resolved config:\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False).rstrip())
+    peak_flops = cfg.log.peak_flops or measure_matmul_peak_flops()
+    flops_token = flops_per_token(cfg.model, seq)
+    logger.echo(
+        f"run directory: {run_dir}\n"
+        f"data: {len(train_data)} train / {len(valid_data) if valid_data else 0} validation sequences of {seq} tokens "
+        f"per epoch; {train_iters} steps; model {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
+        f"{flops_token / 1e6:.2f} MFLOP/token; MFU peak {peak_flops / 1e9:.1f} GFLOP/s "
+        f"({'configured' if cfg.log.peak_flops else 'measured fp32 matmul'})"
+    )
+
+    schedule = build_lr_schedule(cfg, plan, train_iters)
+    tx = build_optimizer(cfg, schedule)
+    state = TrainState.create(model.init(cfg.model, seed=run.seed), tx, seed=run.seed)
+    train_step = make_train_step(cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule, compile=run.compile)
+    eval_step = make_eval_step(cfg.model, compile=run.compile)
+
+    train_losses: list[tuple[int, float]] = []
+    val_losses: list[tuple[int, float]] = []
+
+    def validate(step: int) -> None:
+        began = time.perf_counter()
+        val_loss = _evaluate(eval_step, state.params, valid_data, cfg, tokenizer.eod)
+        val_losses.append((step, val_loss))
+        logger.record("valid", step, loss=val_loss, ppl=math.exp(min(val_loss, 50.0)))
+        note = " (compiling the eval step included)" if step == 0 and run.compile else ""
+        logger.echo(f"validation at step {step}: loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50.0)):.2f}{note}")
+        meter.pause(time.perf_counter() - began)
+
+    evaluating = valid_data is not None and run.eval_iters > 0
+    meter, interval_losses, consumed, step = _Throughput(), [], 0, 0
+    exit_reason = "train_iters" if run.train_iters is not None else "train_samples"
+    try:
+        if evaluating:
+            validate(0)
+        start = time.perf_counter()
+        for step in range(1, train_iters + 1):
+            microbatches = plan.num_microbatches_at(consumed)
+            batch = _batch(train_data, consumed, microbatches, cfg, tokenizer.eod)
+            state, metrics = train_step(state, batch)
+            loss = float(metrics["loss"])
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"the training loss is {loss} at step {step}; lower optim.lr or check the data")
+            consumed += microbatches * run.micro_batch_size
+            interval_losses.append(loss)
+            if step == 1:
+                logger.echo(f"step 1 took {time.perf_counter() - start:.1f} s"
+                            + (" (compiling the train step included)" if run.compile else ""))
+                meter.reset()
+            else:
+                meter.add(microbatches * run.micro_batch_size * seq)
+            tokens_per_s = meter.rate()
+            logger.progress(step, loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}", tok_s=f"{tokens_per_s or 0:.0f}")
+            if step % cfg.log.log_interval == 0:
+                mean_loss = sum(interval_losses) / len(interval_losses)
+                memory = memory_stats_mib()
+                mfu = tokens_per_s * flops_token / peak_flops if tokens_per_s else None
+                logger.record(
+                    "train", step, loss=mean_loss, grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]),
+                    tokens_per_s=tokens_per_s, mfu=mfu, consumed_samples=consumed,
+                    global_batch_size=microbatches * run.micro_batch_size,
+                    **{f"mem_{k}_mib": round(v, 1) for k, v in memory.items()},
+                )
+                logger.echo(
+                    f"step {step:>6d}/{train_iters} | loss {mean_loss:.4f} | grad norm {float(metrics['grad_norm']):.3f} | "
+                    f"lr {float(metrics['lr']):.3e} | "
+                    + (f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "tok/s - | MFU -")
+                    + f" | mem {memory['peak_rss']:.0f} MiB peak RSS"
+                )
+                train_losses.append((step, mean_loss))
+                interval_losses = []
+                meter.reset()
+            if evaluating and (step % run.eval_interval == 0 or step == train_iters):
+                validate(step)
+            if run.exit_duration_in_mins is not None and time.perf_counter() - start > 60 * run.exit_duration_in_mins:
+                exit_reason = "exit_duration_in_mins"
+                break
+        if evaluating and val_losses[-1][0] != step:
+            validate(step)
+        if cfg.checkpoint.save_weights:
+            save_weights(state.params, os.path.join(run_dir, "model.safetensors"), {"step": str(step)})
+        sample = _sample_text(state.params, cfg, tokenizer) if run.sample_tokens > 0 else None
+        duration = time.perf_counter() - start
+        logger.record("end", step, consumed_samples=consumed, duration_s=duration, exit_reason=exit_reason, sample=sample)
+        logger.echo(f"finished {step} steps ({exit_reason}) in {duration:.0f} s; logs: {logger.path}")
+        if sample is not None:
+            logger.echo(f"sample (temperature 0.8, top-k 40):\n{sample}")
+    finally:
+        logger.close()
+    return RunResult(run_dir, step, consumed, train_losses, val_losses, sample, exit_reason)

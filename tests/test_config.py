@@ -1,0 +1,144 @@
+import dataclasses
+import re
+
+import pytest
+
+from lmfunc.config import ConfigError, ModelConfig
+from lmfunc.config.train import TrainConfig
+from lmfunc.config.yaml_io import load_config, save_config, train_config_from_dict
+from lmfunc.train.cli import parse_args
+
+YAML = """
+preset: tiny
+model:
+  vocab-size: 384
+optim:
+  lr: 3e-4            # YAML reads this as a string; the float field converts it
+run:
+  out_dir: ${LMFUNC_TEST_OUT}/runs
+  train_iters: ${LMFUNC_TEST_ITERS:-40}
+  lr_unused: 1
+"""
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_preset_env_and_cli_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMFUNC_TEST_OUT", "/data")
+    path = write(tmp_path, YAML.replace("  lr_unused: 1\n", ""))
+    cfg = parse_args(["--config", path, "--run.train-iters", "30", "--model.num-layers", "3",
+                      "--optim.lr-warmup-iters", "5"])
+    assert cfg.model.hidden_size == 64 and cfg.model.vocab_size == 384 and cfg.model.num_layers == 3
+    assert cfg.optim.lr == 3e-4 and cfg.run.out_dir == "/data/runs" and cfg.run.train_iters == 30
+    assert load_config(path).run.train_iters == 40  # the ${VAR:-default} default
+    assert parse_args(["--preset", "gpt2-small", "--run.train-iters", "30"]).model.hidden_size == 768
+
+
+def test_saved_config_reloads_identically(tmp_path):
+    cfg = parse_args(["--preset", "tiny", "--model.vocab-size", "384", "--run.rampup-batch-size", "8", "8", "64",
+                      "--run.train-iters", "None", "--run.train-samples", "640", "--run.global-batch-size", "16",
+                      "--optim.lr-warmup-iters", "0", "--optim.lr-warmup-samples", "32"])
+    path = str(tmp_path / "snapshot.yaml")
+    save_config(cfg, path)
+    assert load_config(path) == cfg
+    assert cfg.run.rampup_batch_size == (8, 8, 64)
+
+
+def test_unset_environment_variable_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("LMFUNC_TEST_OUT", raising=False)
+    with pytest.raises(ConfigError, match=r"run\.out_dir uses \$\{LMFUNC_TEST_OUT\}.*LMFUNC_TEST_OUT is not set"):
+        load_config(write(tmp_path, YAML))
+
+
+def test_unknown_yaml_keys_get_a_did_you_mean(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMFUNC_TEST_OUT", "/data")
+    with pytest.raises(ConfigError, match=r"cfg\.yaml: unknown config key run\.lr_unused"):
+        load_config(write(tmp_path, YAML))
+    with pytest.raises(ConfigError, match=r"unknown config key model\.hiden_size.*did you mean model\.hidden_size\?"):
+        train_config_from_dict({"model": {"hiden_size": 64}})
+    with pytest.raises(ConfigError, match=r"unknown config key train_iters.*did you mean run\.train_iters\?"):
+        train_config_from_dict({"train_iters": 10})
+    with pytest.raises(ConfigError, match=r"optim\.lr_decay_style: 'cosin' is not one of .*did you mean 'cosine'\?"):
+        train_config_from_dict({"optim": {"lr_decay_style": "cosin"}})
+    with pytest.raises(ConfigError, match=r"run\.train_iters: expected int, got 'ten'"):
+        train_config_from_dict({"run": {"train_iters": "ten"}})
+
+
+def test_unknown_preset_gets_a_did_you_mean():
+    with pytest.raises(ConfigError, match=r"unknown model preset 'smal'; did you mean 'small'\?"):
+        parse_args(["--preset", "smal"])
+    with pytest.raises(ConfigError, match=r"unknown model preset 'tinny'; did you mean 'tiny'\?"):
+        train_config_from_dict({"preset": "tinny"})
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model.hidden-size", "100", "--model.num-attention-heads", "3"],
+         r"model\.hidden_size \(100\) is not divisible by model\.num_attention_heads \(3\)"),
+        (["--model.num-attention-heads", "4", "--model.num-query-groups", "3"],
+         r"model\.num_attention_heads \(4\) is not divisible by model\.num_query_groups \(3\)"),
+        (["--run.global-batch-size", "10", "--run.micro-batch-size", "4"],
+         r"run\.global_batch_size \(10\) is not divisible by run\.micro_batch_size \(4\) x data-parallel size \(1\)"),
+        (["--run.train-iters", "10", "--optim.lr-warmup-iters", "20"],
+         r"optim\.lr_warmup_iters \(20\) is longer than the decay .*run\.train_iters = 10"),
+        (["--run.train-iters", "None", "--run.train-samples", "100", "--optim.lr-warmup-iters", "0",
+          "--optim.lr-warmup-samples", "200"],
+         r"optim\.lr_warmup_samples \(200\) is longer than the decay .*run\.train_samples = 100"),
+        (["--run.rampup-batch-size", "4", "4", "100"], r"run\.rampup_batch_size needs a sample-based run"),
+        (["--run.train-samples", "100"], r"set exactly one of run\.train_iters .* and run\.train_samples"),
+        (["--parallel.tp", "2"], r"parallel\.tp = 2: this version of lmfunc trains on one process"),
+    ],
+)
+def test_validation_errors_name_the_fields(flags, message, capsys):
+    """Model fields are checked while tyro builds ModelConfig (it prints the error and exits 2);
+    cross-field checks raise ConfigError from validate() (``python -m lmfunc.train`` prints it, exits 2)."""
+    try:
+        parse_args(flags)
+    except ConfigError as err:
+        text = str(err)
+    except SystemExit as exit_info:
+        assert exit_info.code == 2
+        text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().err).split())
+    else:
+        pytest.fail(f"{flags} was accepted")
+    assert re.search(message, text), text
+
+
+def test_help_lists_every_field_with_its_docstring(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
+    for section in dataclasses.fields(TrainConfig):
+        for f in dataclasses.fields(section.type if isinstance(section.type, type) else type(getattr(TrainConfig(), section.name))):
+            flag = f"--{section.name}.{f.name.replace('_', '-')}"
+            assert flag in text, flag
+    docs = {"--model.hidden-size": "Model width h.", "--run.eval-iters": "Validation batches (of global_batch_size",
+            "--optim.clip-grad": "Clip gradients to this global L2 norm", "--data.text-file": "A UTF-8 text file to train on"}
+    for flag, doc in docs.items():
+        assert doc in text, (flag, doc)
+    assert "--config" in text and "--preset" in text
+
+
+def test_model_fields_are_checked_when_built():
+    with pytest.raises(ConfigError, match=r"model\.num_layers must be a positive integer"):
+        train_config_from_dict({"model": {"num_layers": 0}})
+    assert isinstance(train_config_from_dict({}).model, ModelConfig)
+
+
+def test_shipped_configs_load_and_validate(monkeypatch):
+    import glob
+    import os
+
+    monkeypatch.delenv("LMFUNC_RUNS", raising=False)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = sorted(glob.glob(os.path.join(root, "configs", "*.yaml")))
+    assert paths
+    for path in paths:
+        load_config(path).validate()

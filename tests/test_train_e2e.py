@@ -1,0 +1,111 @@
+"""``python -m lmfunc.train`` end to end (in-process through the same ``main``)."""
+
+import os
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lmfunc.config.yaml_io import load_config
+from lmfunc.generate import generate, load_run
+from lmfunc.generate import main as generate_main
+from lmfunc.metrics import flops_per_token
+from lmfunc.train.__main__ import main as train_main
+from lmfunc.train.cli import parse_args
+from lmfunc.train.log import read_log
+
+TINY_YAML = """
+preset: tiny
+model: {vocab_size: 384}
+data: {seq_length: 32, split: "80,20,0"}
+optim: {lr: 3e-3, min_lr: 3e-4, lr_warmup_iters: 5}
+run: {micro_batch_size: 4, global_batch_size: 8, eval_interval: 10, eval_iters: 2, train_iters: 30, out_dir: "${RUNS}"}
+log: {log_interval: 5, progress_bar: false, peak_flops: 1.0e+11}
+"""
+
+
+@pytest.fixture
+def tiny_yaml(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY_YAML)
+    return str(path)
+
+
+def test_yaml_plus_override_trains_logs_and_reloads(tiny_yaml, tmp_path, capsys):
+    argv = ["--config", tiny_yaml, "--run.name", "e2e", "--run.sample-tokens", "16", "--log.tensorboard"]
+    counters.clear()
+    train_main(argv)
+    run_dir = str(tmp_path / "runs" / "e2e")
+    out = capsys.readouterr().out + capsys.readouterr().err
+
+    # Compiled once each: the train step and the eval step, with no graph breaks and no recompiles.
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+    records = read_log(os.path.join(run_dir, "log.jsonl"))
+    train = [r for r in records if r["kind"] == "train"]
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in valid] == [0, 10, 20, 30]
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    assert valid[-1]["loss"] < valid[0]["loss"] - 1.5
+    assert all(b["loss"] < a["loss"] for a, b in zip(valid, valid[1:]))
+    cfg = parse_args(argv)
+    for r in train:  # MFU from the config's FLOPs per token and the configured peak
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops_per_token(cfg.model, 32) / 1e11)
+        assert r["grad_norm"] > 0 and r["lr"] > 0 and r["mem_peak_rss_mib"] > 0
+    end = records[-1]
+    assert end["kind"] == "end" and end["consumed_samples"] == 240 and end["sample"].startswith("The ")
+    assert "validation at step 30" in out and "MFU" in out and "resolved config:" in out
+
+    assert load_config(os.path.join(run_dir, "config.yaml")) == cfg
+    events = os.listdir(os.path.join(run_dir, "tensorboard"))
+    assert any(name.startswith("events.out.tfevents") for name in events)
+
+    generate_main(["--run", run_dir, "--prompt", "The ", "--max-new-tokens", "12", "--temperature", "0"])
+    model_cfg, params = load_run(run_dir)
+    expected = generate(params, model_cfg, list(b"The "), 12, temperature=0.0)
+    assert capsys.readouterr().out.rstrip("\n") == bytes(t for t in expected.tolist() if t < 256).decode(errors="replace")
+
+
+def test_sample_based_run_with_rampup_and_eager_steps(tiny_yaml, tmp_path):
+    argv = ["--config", tiny_yaml, "--run.name", "ramp", "--run.no-compile", "--run.train-iters", "None",
+            "--run.train-samples", "96", "--run.rampup-batch-size", "4", "4", "24", "--run.micro-batch-size", "4",
+            "--optim.lr-warmup-iters", "0", "--optim.lr-warmup-samples", "16", "--log.log-interval", "1",
+            "--run.eval-iters", "0", "--run.sample-tokens", "0", "--checkpoint.no-save-weights"]
+    train_main(argv)
+    records = read_log(str(tmp_path / "runs" / "ramp" / "log.jsonl"))
+    sizes = [r["global_batch_size"] for r in records if r["kind"] == "train"]
+    assert sizes == [4] * 6 + [8] * 9  # one increment per 24 samples: 4 until 24 are consumed, then 8
+    assert records[-1]["consumed_samples"] == 96
+    assert not os.path.exists(tmp_path / "runs" / "ramp" / "model.safetensors")
+
+
+def test_exit_duration_stops_early(tiny_yaml, tmp_path):
+    train_main(["--config", tiny_yaml, "--run.name", "short", "--run.no-compile", "--run.exit-duration-in-mins",
+                "1e-6", "--run.eval-iters", "0", "--run.sample-tokens", "0"])
+    end = read_log(str(tmp_path / "runs" / "short" / "log.jsonl"))[-1]
+    assert end["exit_reason"] == "exit_duration_in_mins" and end["step"] == 1
+
+
+def test_bad_settings_exit_with_a_message(tiny_yaml, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--config", tiny_yaml, "--run.global-batch-size", "6"])
+    assert exit_info.value.code == 2
+    assert "run.global_batch_size (6) is not divisible by run.micro_batch_size (4)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--model.vocab-size", "128"])
+    assert "model.vocab_size (128) is smaller than the byte tokenizer's 258 ids" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--data.split", "1,0,0"])
+    assert "data.split '1,0,0' leaves no validation documents" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_default_job_lowers_the_validation_loss(tmp_path):
+    """The README's first command: ``python -m lmfunc.train`` on its defaults (about 2 minutes on 2 cores)."""
+    train_main(["--run.out-dir", str(tmp_path), "--run.name", "default", "--log.no-progress-bar"])
+    records = read_log(str(tmp_path / "default" / "log.jsonl"))
+    valid = [r["loss"] for r in records if r["kind"] == "valid"]
+    assert len(valid) == 4 and valid[0] > 5.0 and valid[-1] < 2.0
+    assert records[-1]["kind"] == "end" and len(records[-1]["sample"]) > 100
