@@ -34,3 +34,20 @@ def test_bench_baseline_is_the_same_model():
     module = run_worker(BenchConfig(worker="module-eager", **small))
     assert functional["first_loss"] == pytest.approx(module["first_loss"], abs=1e-5)
     assert functional["step_s"] > 0 and module["step_s"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "gpt2-small", "llama-1b"])
+def test_flops_are_six_n_plus_causal_attention(preset):
+    """6 x (matmul parameters, output head included) + 6 L q s: the score and value matmuls of
+    causal attention counted once (half of 2 x 2 x q x s per token per layer, times 3 for fwd+bwd)."""
+    from lmfunc import model
+    from lmfunc.config import model_preset
+    from lmfunc.tree import flatten_with_paths
+
+    cfg = model_preset(preset)
+    shapes = dict(flatten_with_paths(model.param_shapes(cfg)))
+    matmul = sum(t.numel() for name, t in shapes.items() if t.dim() == 2 and not name.startswith("embed."))
+    matmul += cfg.hidden_size * cfg.vocab_size if cfg.tie_embeddings else 0
+    seq = 1024
+    q = cfg.num_attention_heads * cfg.head_dim
+    assert flops_per_token(cfg, seq) == 6 * matmul + 6 * cfg.num_layers * q * seq

@@ -49,6 +49,12 @@ class RunLogger:
             self._bar.update(step - self._bar.n)
             self._bar.set_postfix(values, refresh=False)
 
+    def end_progress(self) -> None:
+        """Close the progress bar; later lines print plainly."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
     def record(self, kind: str, step: int, **values: Any) -> None:
         """Append one JSONL record (and TensorBoard scalars for its numbers)."""
         entry = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
@@ -60,8 +66,7 @@ class RunLogger:
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        self.end_progress()
         if self._tb is not None:
             self._tb.close()
         self._file.close()

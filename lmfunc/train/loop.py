@@ -219,6 +219,7 @@ def train(cfg: TrainConfig) -> RunResult:
             if run.exit_duration_in_mins is not None and time.perf_counter() - start > 60 * run.exit_duration_in_mins:
                 exit_reason = "exit_duration_in_mins"
                 break
+        logger.end_progress()
         if evaluating and val_losses[-1][0] != step:
             validate(step)
         if cfg.checkpoint.save_weights:
