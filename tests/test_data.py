@@ -79,3 +79,28 @@ def test_lm_batch_follows_megatron_masks_and_positions():
     assert set(plain) == {"tokens", "labels", "loss_mask"} and plain["loss_mask"].sum() == 8
     padded = lm_batch(np.array([[1, 2, 8, 8]]), eod, pad=8)
     assert padded["loss_mask"].tolist() == [[1, 0, 0]]
+
+
+def test_bpe_tokenizer_trains_locally_and_round_trips(tmp_path, capsys):
+    from lmfunc.data.tokenizer import HFTokenizer, load_tokenizer
+    from lmfunc.data.train_tokenizer import main as train_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    import json
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in embedded_documents()[:20]))
+    out = str(tmp_path / "tokenizer.json")
+    train_tokenizer(["--input", str(corpus), "--vocab-size", "600", "--output", out])
+    assert "600 tokens" in capsys.readouterr().out
+    tok = load_tokenizer(out)
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == 600 and tok.eod == 0
+    text = "The assert statement — ünïcode too."
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and len(ids) < len(text.encode())  # merges were learned
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+    with pytest.raises(ConfigError, match="unknown tokenizer 'gpt2'"):
+        load_tokenizer("gpt2")
+    with pytest.raises(ConfigError, match="has no end-of-document token among"):
+        HFTokenizer(out, eod_token="<eos>")
+    with pytest.raises(SystemExit):
+        train_tokenizer(["--input", str(tmp_path / "*.txt"), "--vocab-size", "600", "--output", out])
+    assert "matches no file" in capsys.readouterr().err
