@@ -18,16 +18,14 @@ cache and two processes building the same cache cannot corrupt it.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from lmfunc.config.model import ConfigError
+from lmfunc.data.cache import cached_arrays
 from lmfunc.data.indexed import IndexedDataset
 
 
@@ -105,34 +103,6 @@ def build_indices(sizes: np.ndarray, split_ids: np.ndarray, seq_length: int, num
     return GPTIndices(document_index, sample_index, shuffle_index)
 
 
-def _save_atomically(path: str, array: np.ndarray) -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npy")
-    with os.fdopen(fd, "wb") as f:
-        np.save(f, array, allow_pickle=False)
-    os.replace(tmp, path)
-
-
-def cached_indices(description: dict, build, cache_dir: Optional[str]) -> GPTIndices:
-    """``build()``'s indices, loaded from / saved to ``cache_dir`` under the MD5 of ``description``."""
-    if cache_dir is None:
-        return build()
-    text = json.dumps(description, indent=4, sort_keys=True)
-    stem = os.path.join(cache_dir, f"{hashlib.md5(text.encode()).hexdigest()}-{description['class']}-{description['split']}")
-    names = ("document_index", "sample_index", "shuffle_index")
-    if os.path.isfile(stem + "-description.txt"):
-        return GPTIndices(*(np.load(f"{stem}-{name}.npy", mmap_mode="r") for name in names))
-    os.makedirs(cache_dir, exist_ok=True)
-    indices = build()
-    for name in names:
-        _save_atomically(f"{stem}-{name}.npy", getattr(indices, name))
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-", suffix=".txt")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, stem + "-description.txt")
-    return indices
-
-
 class GPTDataset:
     """Samples of ``seq_length + 1`` token ids: ``ds[i]`` is an int64 array (Megatron's ``text``)."""
 
@@ -146,11 +116,11 @@ class GPTDataset:
             "num_sequences": len(indexed), "num_tokens": indexed.num_tokens,
         }
         sizes = np.asarray(indexed.sequence_lengths)
-        indices = cached_indices(
-            description, lambda: build_indices(sizes, split_ids, seq_length, num_samples, seed), cache_dir
+        arrays = cached_arrays(
+            description, lambda: vars(build_indices(sizes, split_ids, seq_length, num_samples, seed)), cache_dir
         )
         self.document_index, self.sample_index, self.shuffle_index = (
-            indices.document_index, indices.sample_index, indices.shuffle_index,
+            arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"],
         )
 
     def __len__(self) -> int:
