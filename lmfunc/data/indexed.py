@@ -98,6 +98,12 @@ class IndexedDatasetBuilder:
             while chunk := f.read(1 << 24):
                 self._bin.write(chunk)
 
+    def abort(self) -> None:
+        """Close and delete the partial ``.bin`` (nothing is left that looks like a dataset)."""
+        self._bin.close()
+        if os.path.exists(self.bin_file):
+            os.remove(self.bin_file)
+
     def finalize(self, idx_file: str) -> None:
         """Close the ``.bin`` and write the ``.idx``."""
         self._bin.close()

@@ -1,0 +1,214 @@
+"""``python -m lmfunc.data.preprocess``: JSON lines -> Megatron ``.bin/.idx`` (one pair per json key).
+
+Megatron's ``tools/preprocess_data.py`` interface: ``--input`` (a file, a directory of .jsonl/.json
+files, or a glob), ``--output-prefix``, ``--tokenizer``, ``--json-keys``, ``--append-eod``,
+``--workers``, ``--partitions``, ``--split-sentences``. Output files are
+``{prefix}_{key}_{document|sentence}.{bin,idx}``. The input is streamed (memory stays flat), lines
+keep their order, and outputs are written under temporary names and renamed only when complete.
+With ``--partitions P`` lines are dealt round-robin to P partitions that are merged partition by
+partition, so documents come out in Megatron's order 0, P, 2P, ..., 1, P+1, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import tyro
+from tqdm import tqdm
+
+from lmfunc.config.model import ConfigError
+from lmfunc.data.indexed import IndexedDatasetBuilder, optimal_dtype
+from lmfunc.data.tokenizer import load_tokenizer
+
+_ABBREVIATIONS = {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e", "fig", "no", "vol"}
+_BOUNDARY = re.compile(r"(?<=[.!?])([\"')\]]*)\s+(?=[\"'(\[]?[A-Z0-9])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Rule-based sentence split: after ``.``/``!``/``?`` (and closing quotes) followed by space and a
+    capital or digit, except after common abbreviations and single initials."""
+    sentences, start = [], 0
+    for match in _BOUNDARY.finditer(text):
+        head = text[start : match.start()]
+        last_word = head.rsplit(None, 1)[-1].rstrip(".!?").lower() if head.split() else ""
+        if last_word in _ABBREVIATIONS or (len(last_word) == 1 and last_word.isalpha()):
+            continue
+        sentences.append(text[start : match.start() + len(match.group(1))].strip())
+        start = match.end()
+    sentences.append(text[start:].strip())
+    return [s for s in sentences if s]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreprocessArgs:
+    """Tokenize JSON lines into Megatron .bin/.idx files."""
+
+    input: str
+    """A .jsonl/.json file, a directory of them, or a glob."""
+    output_prefix: str
+    """Output files are {prefix}_{key}_{document|sentence}.{bin,idx}."""
+    tokenizer: str = "byte"
+    """'byte' or the path of a Hugging Face tokenizer.json (nothing is downloaded)."""
+    json_keys: tuple[str, ...] = ("text",)
+    """Fields of each JSON line to tokenize; one .bin/.idx pair each."""
+    append_eod: bool = False
+    """Append the end-of-document token to each (non-empty) document."""
+    split_sentences: bool = False
+    """Store each sentence as its own sequence (rule-based splitter)."""
+    workers: int = 1
+    """Tokenizer processes."""
+    partitions: int = 1
+    """Deal lines round-robin into this many partitions, then merge them (Megatron's order)."""
+    skip_bad_lines: bool = False
+    """Skip malformed JSON lines and lines without a json key (and report the count) instead of stopping."""
+
+
+def input_files(spec: str) -> list[str]:
+    """The files an ``--input`` names, sorted; a clear error if there are none."""
+    if os.path.isdir(spec):
+        files = sorted(glob.glob(os.path.join(spec, "*.jsonl")) + glob.glob(os.path.join(spec, "*.json")))
+    elif os.path.isfile(spec):
+        files = [spec]
+    else:
+        files = sorted(glob.glob(spec))
+    if not files:
+        raise ConfigError(f"--input {spec} names no file (a .jsonl file, a directory of .jsonl/.json files, or a glob)")
+    return files
+
+
+def read_lines(files: Sequence[str]) -> Iterator[tuple[str, int, bytes]]:
+    """``(file, line number, raw line)`` for every non-blank line, streamed."""
+    for path in files:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    yield path, number, line
+
+
+_TOKENIZER = None
+
+
+def _init_worker(tokenizer_spec: str) -> None:
+    global _TOKENIZER
+    _TOKENIZER = load_tokenizer(tokenizer_spec)
+
+
+def encode_line(job: tuple[str, int, bytes, tuple[str, ...], bool, bool]) -> tuple[str, int, int, object]:
+    """``(file, line, bytes, result)``: result is ``{key: [sentence ids, ...]}`` or an error message."""
+    path, number, raw, keys, split, append_eod = job
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        return path, number, len(raw), f"invalid UTF-8 at byte {err.start}"
+    except json.JSONDecodeError as err:
+        return path, number, len(raw), f"malformed JSON ({err.msg} at column {err.colno})"
+    if not isinstance(record, dict):
+        return path, number, len(raw), "a line must hold a JSON object"
+    out = {}
+    for key in keys:
+        if key not in record:
+            return path, number, len(raw), f"missing json key {key!r} (keys: {sorted(record)[:10]})"
+        value = record[key]
+        texts = [str(t) for t in (value if isinstance(value, list) else [value]) if str(t).strip()]
+        if split:
+            texts = [s for t in texts for s in split_sentences(t)]
+        sentences = [ids for ids in (_TOKENIZER.encode(t) for t in texts) if ids]
+        if sentences and append_eod:
+            sentences[-1] = sentences[-1] + [_TOKENIZER.eod]
+        out[key] = sentences
+    return path, number, len(raw), out
+
+
+def output_prefixes(args: PreprocessArgs) -> dict[str, str]:
+    level = "sentence" if args.split_sentences else "document"
+    return {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
+
+
+def preprocess(args: PreprocessArgs, progress: bool = True) -> dict[str, int]:
+    """Run the conversion; returns counts (documents, empty documents skipped, bad lines skipped)."""
+    if args.workers < 1 or args.partitions < 1:
+        raise ConfigError(f"--workers ({args.workers}) and --partitions ({args.partitions}) must be >= 1")
+    files = input_files(args.input)
+    tokenizer = load_tokenizer(args.tokenizer)
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    prefixes = output_prefixes(args)
+    tmp = {key: f"{p}.tmp-{os.getpid()}" for key, p in prefixes.items()}
+    builders = {key: [IndexedDatasetBuilder(f"{t}-part{i}.bin", dtype) for i in range(args.partitions)]
+                for key, t in tmp.items()}
+    counts = {"documents": 0, "empty_documents": 0, "bad_lines": 0}
+    jobs = ((p, n, raw, args.json_keys, args.split_sentences, args.append_eod) for p, n, raw in read_lines(files))
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress, file=sys.stderr)
+    started, done_bytes = time.perf_counter(), 0
+    pool = multiprocessing.Pool(args.workers, _init_worker, (args.tokenizer,)) if args.workers > 1 else None
+    try:
+        if pool is None:
+            _init_worker(args.tokenizer)
+        results = pool.imap(encode_line, jobs, chunksize=32) if pool else map(encode_line, jobs)
+        for line_index, (path, number, size, result) in enumerate(results):
+            done_bytes += size
+            bar.update(size)
+            if isinstance(result, str):
+                if not args.skip_bad_lines:
+                    raise ConfigError(f"{path}:{number}: {result}; fix the line or pass --skip-bad-lines")
+                counts["bad_lines"] += 1
+                continue
+            part = line_index % args.partitions
+            for key, sentences in result.items():
+                if not sentences:
+                    counts["empty_documents"] += 1
+                    continue
+                builders[key][part].add_document(np.concatenate(sentences), [len(s) for s in sentences])
+            counts["documents"] += 1
+            if line_index % 1000 == 0:
+                elapsed = max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix(docs_s=f"{counts['documents'] / elapsed:.0f}", MB_s=f"{done_bytes / elapsed / 1e6:.1f}")
+    except BaseException:
+        for parts in builders.values():
+            for builder in parts:
+                builder.abort()
+        raise
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+    for key, parts in builders.items():
+        for builder in parts:
+            builder.finalize(builder.bin_file[:-4] + ".idx")
+        merged = IndexedDatasetBuilder(tmp[key] + ".bin", dtype)
+        for builder in parts:
+            merged.add_index(builder.bin_file[:-4])
+            os.remove(builder.bin_file)
+            os.remove(builder.bin_file[:-4] + ".idx")
+        merged.finalize(tmp[key] + ".idx")
+        os.replace(tmp[key] + ".bin", prefixes[key] + ".bin")
+        os.replace(tmp[key] + ".idx", prefixes[key] + ".idx")
+    counts["seconds"] = time.perf_counter() - started
+    counts["megabytes"] = done_bytes / 1e6
+    return counts
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = tyro.cli(PreprocessArgs, args=argv, prog="python -m lmfunc.data.preprocess")
+    try:
+        counts = preprocess(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    rate = counts["megabytes"] / max(counts["seconds"], 1e-9)
+    print(f"{counts['documents']} documents ({counts['empty_documents']} empty skipped, {counts['bad_lines']} bad lines "
+          f"skipped), {counts['megabytes']:.1f} MB in {counts['seconds']:.1f} s ({rate:.1f} MB/s) -> "
+          + ", ".join(p + ".{bin,idx}" for p in output_prefixes(args).values()))
+
+
+if __name__ == "__main__":
+    main()
