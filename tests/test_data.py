@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -5,7 +7,7 @@ import torch
 from lmfunc.config import ConfigError
 from lmfunc.data.batch import lm_batch
 from lmfunc.data.corpus import embedded_documents, text_file_documents
-from lmfunc.data.text_dataset import TextDataset, build_splits, split_ranges, token_stream
+from lmfunc.data.pipeline import build_datasets, split_ranges
 from lmfunc.data.tokenizer import ByteTokenizer, padded_vocab_size
 
 
@@ -30,38 +32,37 @@ def test_megatron_split_rule():
     assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
     assert split_ranges("90,10,0", 79) == [(0, 71), (71, 79), None]
     assert split_ranges("1", 10) == [(0, 10), None, None]
-    with pytest.raises(ConfigError, match="data.split 'a,b'"):
+    with pytest.raises(ConfigError, match="data.split 'a,b' must be one to three non-negative weights"):
         split_ranges("a,b", 10)
 
 
-def test_samples_overlap_by_one_token_and_each_epoch_is_a_reshuffled_cover():
-    stream = np.arange(1001, dtype=np.int32)
-    ds = TextDataset(stream, seq_length=10, seed=3)
-    assert len(ds) == 100
-    epoch0, epoch1 = ds.samples(0, 100), ds.samples(100, 100)
-    starts0, starts1 = sorted(epoch0[:, 0]), sorted(epoch1[:, 0])
-    assert starts0 == starts1 == list(range(0, 1000, 10))
-    assert np.all(epoch0[:, -1] == epoch0[:, 0] + 10)  # S+1 tokens: the last one starts the next sample
-    assert not np.array_equal(epoch0[:, 0], epoch1[:, 0])
-    np.testing.assert_array_equal(ds.samples(37, 5), epoch0[37:42])  # resumes from any consumed count
-    np.testing.assert_array_equal(TextDataset(stream, 10, seed=3).samples(0, 100), epoch0)
+def test_embedded_corpus_is_tokenised_once_and_split_over_sequences(tmp_path):
+    from lmfunc.config.train import DataConfig
+
+    tok = ByteTokenizer()
+    data = DataConfig(split="90,10,0", seq_length=64)
+    sets = build_datasets(data, tok, {"train": 100, "valid": 10}, seed=5, cache_dir=str(tmp_path))
+    train, valid = sets["train"], sets["valid"]
+    assert sets["test"] is None and len(train) >= 100 and len(valid) >= 10
+    assert train.indexed.prefix == valid.indexed.prefix and train.indexed.num_documents == len(embedded_documents())
+    assert set(train.document_index.tolist()) == set(range(71)) and set(valid.document_index.tolist()) == set(range(71, 79))
+    assert train.indexed.document(0).tolist() == tok.encode(embedded_documents()[0]) + [tok.eod]
+    assert train[0].shape == (65,)
+    again = build_datasets(data, tok, {"train": 100, "valid": 10}, seed=5, cache_dir=str(tmp_path))
+    assert np.array_equal(again["train"][3], train[3])
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".bin")]) == 1
 
 
-def test_too_short_split_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"the valid split holds 5 tokens, fewer than data.seq_length \+ 1 = 11"):
-        TextDataset(np.arange(5, dtype=np.int32), 10, 0, "valid")
+def test_text_file_paragraphs_become_documents(tmp_path):
+    from lmfunc.config.train import DataConfig
 
-
-def test_splits_follow_documents_and_end_each_with_eod(tmp_path):
     path = tmp_path / "book.txt"
     path.write_text("\n\n".join(f"paragraph {i} " * 20 for i in range(10)))
     docs = text_file_documents(str(path))
-    tok = ByteTokenizer()
-    splits = build_splits(docs, tok, "8,2,0", seq_length=16, seed=0)
-    assert splits["test"] is None
-    assert np.count_nonzero(splits["train"].stream == tok.eod) == 8
-    assert np.count_nonzero(splits["valid"].stream == tok.eod) == 2
-    np.testing.assert_array_equal(splits["valid"].stream, token_stream(docs[8:], tok))
+    assert len(docs) == 10
+    sets = build_datasets(DataConfig(text_file=str(path), split="8,2,0", seq_length=16), ByteTokenizer(),
+                          {"train": 4, "valid": 2}, seed=0, cache_dir=str(tmp_path / "cache"))
+    assert sets["valid"].indexed.num_documents == 10 and set(sets["valid"].document_index.tolist()) == {8, 9}
     with pytest.raises(ConfigError, match="data.text_file: .*missing.txt does not exist"):
         text_file_documents(str(tmp_path / "missing.txt"))
 

@@ -1,5 +1,6 @@
 """``python -m lmfunc.train`` end to end (in-process through the same ``main``)."""
 
+import json
 import os
 
 import pytest
@@ -95,10 +96,36 @@ def test_bad_settings_exit_with_a_message(tiny_yaml, capsys):
     assert "run.global_batch_size (6) is not divisible by run.micro_batch_size (4)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_main(["--config", tiny_yaml, "--model.vocab-size", "128"])
-    assert "model.vocab_size (128) is smaller than the byte tokenizer's 258 ids" in capsys.readouterr().err
+    assert "model.vocab_size (128) is smaller than the tokenizer's 258 ids" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_main(["--config", tiny_yaml, "--data.split", "1,0,0"])
-    assert "data.split '1,0,0' leaves no validation documents" in capsys.readouterr().err
+    assert "data.split '1,0,0' leaves no validation data" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--data.path", "0.5 a b"])
+    assert "data.path '0.5 a b': weights don't parse" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--data.path", "nowhere/x"])
+    assert "data.path: nowhere/x.idx does not exist" in capsys.readouterr().err
+
+
+def test_trains_on_a_preprocessed_blend_and_on_mock_data(tiny_yaml, tmp_path):
+    from lmfunc.data.corpus import embedded_documents
+    from lmfunc.data.preprocess import main as preprocess_main
+
+    docs = embedded_documents()
+    for name, part in (("a", docs[:40]), ("b", docs[40:])):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in part)
+        preprocess_main(["--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix", str(tmp_path / name), "--append-eod"])
+    blend = f"0.3 {tmp_path / 'a_text_document'} 0.7 {tmp_path / 'b_text_document'}"
+    common = ["--config", tiny_yaml, "--run.no-compile", "--run.train-iters", "6", "--optim.lr-warmup-iters", "2",
+              "--run.eval-interval", "3", "--run.sample-tokens", "0"]
+    train_main(common + ["--run.name", "blend", "--data.path", blend])
+    records = read_log(str(tmp_path / "runs" / "blend" / "log.jsonl"))
+    assert [r["step"] for r in records if r["kind"] == "valid"] == [0, 3, 6]
+    assert any(name.endswith("BlendedDataset-train-description.txt") for name in os.listdir(tmp_path / "runs" / "cache"))
+    train_main(common + ["--run.name", "mock", "--data.mock"])
+    assert read_log(str(tmp_path / "runs" / "mock" / "log.jsonl"))[-1]["kind"] == "end"
 
 
 @pytest.mark.slow

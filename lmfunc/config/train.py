@@ -20,16 +20,24 @@ from lmfunc.optim.schedules import DecayStyle, WSDDecayStyle
 class DataConfig:
     """Training text, its split into train/validation/test documents, and how samples are masked."""
 
+    path: Optional[str] = None
+    """Megatron .bin/.idx data: 'PREFIX', 'PREFIX_A PREFIX_B' or a blend 'W_A PREFIX_A W_B PREFIX_B'."""
     text_file: Optional[str] = None
     """A UTF-8 text file to train on (its paragraphs, separated by blank lines, are the documents).
-    None trains on the embedded corpus: the Python reference topics that ship with every Python
-    installation (``pydoc_data``)."""
+    With neither data.path nor data.text_file the run trains on the embedded corpus: the Python
+    reference topics that ship with every Python installation (``pydoc_data``)."""
+    mock: bool = False
+    """Train on Megatron's synthetic mock documents."""
+    tokenizer: str = "byte"
+    """'byte' (no files) or the path of a Hugging Face tokenizer.json."""
     split: str = "90,10,0"
-    """Train/validation/test weights over the documents, Megatron's ``--split`` syntax."""
+    """Train/validation/test weights over the sequences of each dataset, Megatron's ``--split``."""
+    cache_dir: Optional[str] = None
+    """Where tokenised text and dataset indices are cached; None means RUN.OUT_DIR/cache."""
     seq_length: int = 256
     """Tokens per training sequence."""
     seed: Optional[int] = None
-    """Seed of the sample order; None uses run.seed."""
+    """Seed of the dataset indices (document and sample shuffles); None uses run.seed."""
     reset_position_ids: bool = False
     """Restart position ids after each end-of-document token."""
     reset_attention_mask: bool = False
@@ -268,6 +276,9 @@ def validate_train(cfg: TrainConfig) -> None:
     _validate_batch(run, cfg.parallel.data_parallel_size)
     _validate_length(cfg)
     _positive(data.seq_length, "data.seq_length")
+    sources = [name for name, on in (("data.path", data.path is not None), ("data.text_file", data.text_file is not None),
+                                     ("data.mock", data.mock)) if on]
+    _require(len(sources) <= 1, f"{' and '.join(sources)} are both set; choose one data source")
     if cfg.model.position_embedding_type == "learned_absolute":
         _require(data.seq_length <= cfg.model.max_position_embeddings,
                  f"data.seq_length ({data.seq_length}) exceeds model.max_position_embeddings "

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Optional
 
-import torch
+import numpy as np
 import yaml
 
 from lmfunc import model
@@ -21,9 +21,8 @@ from lmfunc.config.model import ConfigError
 from lmfunc.config.train import RunConfig, TrainConfig
 from lmfunc.config.yaml_io import config_to_dict, save_config
 from lmfunc.data.batch import lm_batch
-from lmfunc.data.corpus import embedded_documents, text_file_documents
-from lmfunc.data.text_dataset import TextDataset, build_splits
-from lmfunc.data.tokenizer import ByteTokenizer
+from lmfunc.data.pipeline import build_datasets
+from lmfunc.data.tokenizer import load_tokenizer, padded_vocab_size
 from lmfunc.generate import generate
 from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops, memory_stats_mib
 from lmfunc.train.batching import BatchPlan
@@ -82,39 +81,46 @@ def create_run_dir(run: RunConfig) -> str:
     return path
 
 
-def _datasets(cfg: TrainConfig, tokenizer: ByteTokenizer) -> tuple[TextDataset, Optional[TextDataset]]:
-    data = cfg.data
-    documents = text_file_documents(data.text_file) if data.text_file is not None else embedded_documents()
-    seed = cfg.run.seed if data.seed is None else data.seed
-    splits = build_splits(documents, tokenizer, data.split, data.seq_length, seed)
-    if splits["train"] is None:
-        raise ConfigError(f"data.split {data.split!r} leaves no training documents (of {len(documents)})")
-    if cfg.run.eval_iters > 0 and splits["valid"] is None:
+def _datasets(cfg: TrainConfig, tokenizer, train_iters: int) -> tuple[object, Optional[object]]:
+    """Train and validation datasets with Megatron's sample counts: train = train_samples (or
+    train_iters x global batch); valid = (train_iters // eval_interval + 1) x eval_iters x global batch."""
+    data, run = cfg.data, cfg.run
+    train_samples = run.train_samples if run.train_samples is not None else train_iters * run.global_batch_size
+    valid_samples = (train_iters // run.eval_interval + 1) * run.eval_iters * run.global_batch_size
+    seed = run.seed if data.seed is None else data.seed
+    cache_dir = data.cache_dir or os.path.join(run.out_dir, "cache")
+    datasets = build_datasets(data, tokenizer, {"train": train_samples, "valid": valid_samples}, seed, cache_dir)
+    if datasets["train"] is None:
+        raise ConfigError(f"data.split {data.split!r} leaves no training data; give the first split a weight")
+    if run.eval_iters > 0 and datasets["valid"] is None:
         raise ConfigError(
-            f"data.split {data.split!r} leaves no validation documents (of {len(documents)}) but run.eval_iters "
-            f"is {cfg.run.eval_iters}; give the validation split a weight or set run.eval_iters to 0"
+            f"data.split {data.split!r} leaves no validation data but run.eval_iters is {run.eval_iters}; "
+            "give the validation split a weight or set run.eval_iters to 0"
         )
-    return splits["train"], splits["valid"]
+    return datasets["train"], datasets["valid"]
 
 
-def _batch(dataset: TextDataset, start: int, microbatches: int, cfg: TrainConfig, eod: int) -> dict:
+def _batch(dataset, start: int, microbatches: int, cfg: TrainConfig, tokenizer) -> dict:
+    """Samples ``start ..`` of ``dataset`` (Megatron's sequential sampler, one data-parallel rank) as a
+    ``[microbatches, micro_batch_size, S]`` batch."""
     micro = cfg.run.micro_batch_size
-    samples = dataset.samples(start, microbatches * micro).reshape(microbatches, micro, -1)
+    samples = np.stack([dataset[start + i] for i in range(microbatches * micro)]).reshape(microbatches, micro, -1)
     d = cfg.data
-    return lm_batch(samples, eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+    return lm_batch(samples, tokenizer.eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss,
+                    getattr(tokenizer, "pad", None))
 
 
-def _evaluate(eval_step, params, dataset: TextDataset, cfg: TrainConfig, eod: int) -> float:
+def _evaluate(eval_step, params, dataset, cfg: TrainConfig, tokenizer) -> float:
     """Mean validation loss over the first ``eval_iters`` global batches of the validation split."""
     microbatches = cfg.run.global_batch_size // cfg.run.micro_batch_size
     loss_sum, count = 0.0, 0.0
     for i in range(cfg.run.eval_iters):
-        out = eval_step(params, _batch(dataset, i * cfg.run.global_batch_size, microbatches, cfg, eod))
+        out = eval_step(params, _batch(dataset, i * cfg.run.global_batch_size, microbatches, cfg, tokenizer))
         loss_sum, count = loss_sum + float(out["loss_sum"]), count + float(out["num_tokens"])
     return loss_sum / max(count, 1.0)
 
 
-def _sample_text(params, cfg: TrainConfig, tokenizer: ByteTokenizer) -> Optional[str]:
+def _sample_text(params, cfg: TrainConfig, tokenizer) -> Optional[str]:
     prompt = tokenizer.encode(cfg.run.sample_prompt) or [tokenizer.eod]
     new_tokens = min(cfg.run.sample_tokens, cfg.model.max_position_embeddings - len(prompt))
     if new_tokens <= 0:
@@ -126,18 +132,19 @@ def _sample_text(params, cfg: TrainConfig, tokenizer: ByteTokenizer) -> Optional
 def train(cfg: TrainConfig) -> RunResult:
     """Train ``cfg`` (validated first) and return the run's losses, directory and sample."""
     cfg.validate()
-    tokenizer = ByteTokenizer()
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the byte tokenizer's {tokenizer.vocab_size} ids; "
-            "set model.vocab_size to at least 258 (384 is the Megatron-padded size)"
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's {tokenizer.vocab_size} ids; "
+            f"set model.vocab_size to at least {tokenizer.vocab_size} ({padded_vocab_size(tokenizer.vocab_size)} is "
+            "the Megatron-padded size)"
         )
-    train_data, valid_data = _datasets(cfg, tokenizer)
     run, seq = cfg.run, cfg.data.seq_length
     plan = BatchPlan.from_config(run, cfg.parallel.data_parallel_size)
     train_iters = run.train_iters if run.train_iters is not None else plan.train_iters_for_samples(run.train_samples)
     if train_iters < 1:
         raise ConfigError(f"run.train_samples ({run.train_samples}) is less than one global batch; train longer")
+    train_data, valid_data = _datasets(cfg, tokenizer, train_iters)
 
     run_dir = create_run_dir(run)
     save_config(cfg, os.path.join(run_dir, "config.yaml"))
@@ -147,8 +154,8 @@ def train(cfg: TrainConfig) -> RunResult:
     flops_token = flops_per_token(cfg.model, seq)
     logger.echo(
         f"run directory: {run_dir}\n"
-        f"data: {len(train_data)} train / {len(valid_data) if valid_data else 0} validation sequences of {seq} tokens "
-        f"per epoch; {train_iters} steps; model {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
+        f"data: {len(train_data)} train / {len(valid_data) if valid_data else 0} validation samples of {seq} tokens "
+        f"({cfg.data.path or cfg.data.text_file or ('mock' if cfg.data.mock else 'embedded corpus')}); {train_iters} steps; model {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
         f"{flops_token / 1e6:.2f} MFLOP/token; MFU peak {peak_flops / 1e9:.1f} GFLOP/s "
         f"({'configured' if cfg.log.peak_flops else 'measured fp32 matmul'})"
     )
@@ -164,7 +171,7 @@ def train(cfg: TrainConfig) -> RunResult:
 
     def validate(step: int) -> None:
         began = time.perf_counter()
-        val_loss = _evaluate(eval_step, state.params, valid_data, cfg, tokenizer.eod)
+        val_loss = _evaluate(eval_step, state.params, valid_data, cfg, tokenizer)
         val_losses.append((step, val_loss))
         logger.record("valid", step, loss=val_loss, ppl=math.exp(min(val_loss, 50.0)))
         note = " (compiling the eval step included)" if step == 0 and run.compile else ""
@@ -180,7 +187,7 @@ def train(cfg: TrainConfig) -> RunResult:
         start = time.perf_counter()
         for step in range(1, train_iters + 1):
             microbatches = plan.num_microbatches_at(consumed)
-            batch = _batch(train_data, consumed, microbatches, cfg, tokenizer.eod)
+            batch = _batch(train_data, consumed, microbatches, cfg, tokenizer)
             state, metrics = train_step(state, batch)
             loss = float(metrics["loss"])
             if not math.isfinite(loss):

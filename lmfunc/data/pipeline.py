@@ -1,0 +1,120 @@
+"""From a ``DataConfig`` to train/valid/test datasets, the Megatron way.
+
+The token source is ``data.path`` (Megatron's blend syntax over ``.bin/.idx`` prefixes),
+``data.mock`` (Megatron's synthetic documents), ``data.text_file`` or, by default, the embedded
+corpus; text sources are tokenised once into a ``.bin/.idx`` pair in the cache directory. Each
+prefix is split over its sequences with ``data.split``; each split is a ``GPTDataset`` asked for
+Megatron's sample counts, and several prefixes are blended with ``BlendedDataset``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Optional, Sequence
+
+import numpy as np
+
+from lmfunc.config.model import ConfigError
+from lmfunc.config.train import DataConfig
+from lmfunc.data.blend import BlendedDataset, MockIndexed, component_sizes, parse_blend
+from lmfunc.data.corpus import embedded_documents, text_file_documents
+from lmfunc.data.gpt_dataset import GPTDataset
+from lmfunc.data.indexed import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, dataset_exists, optimal_dtype
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def split_ranges(split: str, num_sequences: int) -> list[Optional[tuple[int, int]]]:
+    """Megatron's split rule: ``[beg, end)`` sequence ranges for train/valid/test (None when empty).
+
+    Weights are the numbers in ``split`` (padded to three, normalised); the bookends are rounded
+    with ``round(fraction * num_sequences)``.
+    """
+    weights = [float(w) for w in re.findall(r"[.0-9]+", split)]
+    if not weights or len(weights) > 3 or sum(weights) <= 0:
+        raise ConfigError(f"data.split {split!r} must be one to three non-negative weights with a positive sum, like '969,30,1'")
+    weights = (weights + [0.0, 0.0])[:3]
+    total = sum(weights)
+    bounds, low = [], 0.0
+    for weight in weights:
+        high = low + weight / total
+        beg, end = int(round(low * num_sequences)), int(round(high * num_sequences))
+        bounds.append((beg, end) if end > beg else None)
+        low = high
+    return bounds
+
+
+def tokenize_documents(documents: Sequence[str], tokenizer, prefix: str) -> None:
+    """Write ``documents`` (each followed by EOD) as the dataset ``prefix``, atomically."""
+    tmp = f"{prefix}.tmp-{os.getpid()}"
+    builder = IndexedDatasetBuilder(tmp + ".bin", optimal_dtype(tokenizer.vocab_size))
+    for doc in documents:
+        ids = tokenizer.encode(doc)
+        if ids:
+            builder.add_document(ids + [tokenizer.eod], [len(ids) + 1])
+    builder.finalize(tmp + ".idx")
+    os.replace(tmp + ".bin", prefix + ".bin")
+    os.replace(tmp + ".idx", prefix + ".idx")
+
+
+def _text_source(data: DataConfig, tokenizer, cache_dir: str) -> str:
+    """The prefix of the tokenised text source (built on first use)."""
+    if data.text_file is not None:
+        stat = os.stat(data.text_file) if os.path.exists(data.text_file) else None
+        key = f"text:{os.path.abspath(data.text_file)}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}"
+        name = "text"
+    else:
+        key, name = "embedded:pydoc_data.topics", "embedded"
+    key += f":{tokenizer!r}:{tokenizer.vocab_size}"
+    prefix = os.path.join(cache_dir, f"{name}-{hashlib.md5(key.encode()).hexdigest()[:12]}")
+    if not dataset_exists(prefix):
+        documents = text_file_documents(data.text_file) if data.text_file is not None else embedded_documents()
+        os.makedirs(cache_dir, exist_ok=True)
+        tokenize_documents(documents, tokenizer, prefix)
+    return prefix
+
+
+def _open(prefix: str) -> IndexedDataset:
+    try:
+        return IndexedDataset(prefix)
+    except IndexedDatasetError as err:
+        raise ConfigError(f"data.path: {err}") from None
+
+
+def build_datasets(data: DataConfig, tokenizer, num_samples: dict[str, int], seed: int,
+                   cache_dir: str) -> dict[str, Optional[object]]:
+    """``{"train", "valid", "test"}`` datasets (None for an empty split or zero requested samples)."""
+    if data.path is not None:
+        prefixes, weights = parse_blend(data.path)
+        sources = [_open(p) for p in prefixes]
+        if weights is None:
+            weights = [float(s.num_tokens) for s in sources]
+            weights = [w / sum(weights) for w in weights]
+    elif data.mock:
+        sources, weights = [MockIndexed(tokenizer.vocab_size, tokenizer.eod)], [1.0]
+    else:
+        sources, weights = [_open(_text_source(data, tokenizer, cache_dir))], [1.0]
+    datasets: dict[str, Optional[object]] = {}
+    for split_number, name in enumerate(SPLIT_NAMES):
+        requested = num_samples.get(name, 0)
+        if requested <= 0:
+            datasets[name] = None
+            continue
+        per_source, targets = component_sizes(weights, requested) if len(sources) > 1 else ([requested], [requested])
+        parts = []
+        for source, n in zip(sources, per_source):
+            bounds = split_ranges(data.split, len(source))[split_number]
+            if bounds is None:
+                parts = []
+                break
+            parts.append(GPTDataset(source, np.arange(*bounds, dtype=np.int32), n, data.seq_length, seed, name, cache_dir))
+        if not parts:
+            datasets[name] = None
+        elif len(parts) == 1:
+            datasets[name] = parts[0]
+        else:
+            description = {"prefixes": [s.prefix for s in sources], "seq_length": data.seq_length, "seed": seed}
+            datasets[name] = BlendedDataset(parts, weights, sum(targets), name, cache_dir, description)
+    return datasets
