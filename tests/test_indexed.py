@@ -93,6 +93,9 @@ def test_bad_files_are_named(tmp_path):
     open(prefix + ".idx", "wb").write(good)
     with pytest.raises(IndexedDatasetError, match=r"bad\.bin holds 16 bytes but its index points to 32: truncated"):
         IndexedDataset(prefix)
+    open(prefix + ".idx", "wb").write(good[:9] + struct.pack("<Q", 2) + good[17:])
+    with pytest.raises(IndexedDatasetError, match="has index version 2; only version 1 exists"):
+        IndexedDataset(prefix)
     open(prefix + ".idx", "wb").write(good[:17] + bytes([9]) + good[18:])
     with pytest.raises(IndexedDatasetError, match="unknown dtype code 9"):
         IndexedDataset(prefix)

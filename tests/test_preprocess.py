@@ -97,3 +97,11 @@ def test_cli_and_merge(tmp_path, capsys):
     assert [tok.decode(merged.document(i)) for i in range(5)] == DOCS
     main(["--input", str(tmp_path), "--output-prefix", str(tmp_path / "dir")])  # a directory of .jsonl files
     assert IndexedDataset(str(tmp_path / "dir_text_document")).num_documents == 5
+
+
+def test_data_benchmark_runs(capsys):
+    from lmfunc.bench_data import DataBenchConfig, main as bench_main
+
+    bench_main(DataBenchConfig(megabytes=0.3, workers=(1,), repeats=1, batches=5, seq_length=32))
+    out = capsys.readouterr().out
+    assert "preprocess workers=1:" in out and "samples/s" in out

@@ -106,6 +106,15 @@ def test_bad_settings_exit_with_a_message(tiny_yaml, capsys):
     with pytest.raises(SystemExit):
         train_main(["--config", tiny_yaml, "--data.path", "nowhere/x"])
     assert "data.path: nowhere/x.idx does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--data.split", "0,0,0"])
+    assert "data.split '0,0,0' must be one to three non-negative weights with a positive sum" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--data.seq-length", "600000", "--model.position-embedding-type", "rope"])
+    assert "data.seq_length (600000) is longer than the split's" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--data.valid-path", "x"])
+    assert "data.valid_path/data.test_path need data.train_path too" in capsys.readouterr().err
 
 
 def test_trains_on_a_preprocessed_blend_and_on_mock_data(tiny_yaml, tmp_path):
@@ -124,6 +133,9 @@ def test_trains_on_a_preprocessed_blend_and_on_mock_data(tiny_yaml, tmp_path):
     records = read_log(str(tmp_path / "runs" / "blend" / "log.jsonl"))
     assert [r["step"] for r in records if r["kind"] == "valid"] == [0, 3, 6]
     assert any(name.endswith("BlendedDataset-train-description.txt") for name in os.listdir(tmp_path / "runs" / "cache"))
+    train_main(common + ["--run.name", "split-paths", "--data.train-path", str(tmp_path / "b_text_document"),
+                         "--data.valid-path", str(tmp_path / "a_text_document")])
+    assert [r["kind"] for r in read_log(str(tmp_path / "runs" / "split-paths" / "log.jsonl"))].count("valid") == 3
     train_main(common + ["--run.name", "mock", "--data.mock"])
     assert read_log(str(tmp_path / "runs" / "mock" / "log.jsonl"))[-1]["kind"] == "end"
 

@@ -22,6 +22,12 @@ class DataConfig:
 
     path: Optional[str] = None
     """Megatron .bin/.idx data: 'PREFIX', 'PREFIX_A PREFIX_B' or a blend 'W_A PREFIX_A W_B PREFIX_B'."""
+    train_path: Optional[str] = None
+    """Data of the train split only (blend syntax); replaces data.path + data.split for that split."""
+    valid_path: Optional[str] = None
+    """Data of the validation split only (blend syntax)."""
+    test_path: Optional[str] = None
+    """Data of the test split only (blend syntax)."""
     text_file: Optional[str] = None
     """A UTF-8 text file to train on (its paragraphs, separated by blank lines, are the documents).
     With neither data.path nor data.text_file the run trains on the embedded corpus: the Python
@@ -276,8 +282,11 @@ def validate_train(cfg: TrainConfig) -> None:
     _validate_batch(run, cfg.parallel.data_parallel_size)
     _validate_length(cfg)
     _positive(data.seq_length, "data.seq_length")
-    sources = [name for name, on in (("data.path", data.path is not None), ("data.text_file", data.text_file is not None),
-                                     ("data.mock", data.mock)) if on]
+    per_split = data.train_path is not None or data.valid_path is not None or data.test_path is not None
+    _require(not per_split or data.train_path is not None,
+             "data.valid_path/data.test_path need data.train_path too (per-split paths replace data.path + data.split)")
+    sources = [name for name, on in (("data.path", data.path is not None), ("data.train_path", per_split),
+                                     ("data.text_file", data.text_file is not None), ("data.mock", data.mock)) if on]
     _require(len(sources) <= 1, f"{' and '.join(sources)} are both set; choose one data source")
     if cfg.model.position_embedding_type == "learned_absolute":
         _require(data.seq_length <= cfg.model.max_position_embeddings,

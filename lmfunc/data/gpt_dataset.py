@@ -66,6 +66,11 @@ def build_indices(sizes: np.ndarray, split_ids: np.ndarray, seq_length: int, num
                   seed: int) -> GPTIndices:
     """The three Megatron indices of a split whose sequences are ``split_ids`` (lengths ``sizes``)."""
     tokens = int(sizes[split_ids].sum(dtype=np.int64))
+    if 0 < tokens < seq_length + 1:
+        raise ConfigError(
+            f"data.seq_length ({seq_length}) is longer than the split's {tokens} tokens (all its documents combined); "
+            "lower data.seq_length or use more data"
+        )
     epochs = num_epochs(tokens, seq_length, num_samples)
     separate = False
     if epochs > 1:

@@ -83,38 +83,52 @@ def _open(prefix: str) -> IndexedDataset:
         raise ConfigError(f"data.path: {err}") from None
 
 
+def _sources(spec: str) -> tuple[list, list[float]]:
+    prefixes, weights = parse_blend(spec)
+    sources = [_open(p) for p in prefixes]
+    if weights is None:
+        sizes = [float(s.num_tokens) for s in sources]
+        weights = [w / sum(sizes) for w in sizes]
+    return sources, weights
+
+
+def _split_dataset(sources: list, weights: list[float], ranges: list, requested: int, name: str, data: DataConfig,
+                   seed: int, cache_dir: str) -> Optional[object]:
+    per_source, targets = component_sizes(weights, requested) if len(sources) > 1 else ([requested], [requested])
+    parts = []
+    for source, n, bounds in zip(sources, per_source, ranges):
+        if bounds is None:
+            return None
+        parts.append(GPTDataset(source, np.arange(*bounds, dtype=np.int32), n, data.seq_length, seed, name, cache_dir))
+    if len(parts) == 1:
+        return parts[0]
+    description = {"prefixes": [s.prefix for s in sources], "seq_length": data.seq_length, "seed": seed}
+    return BlendedDataset(parts, weights, sum(targets), name, cache_dir, description)
+
+
 def build_datasets(data: DataConfig, tokenizer, num_samples: dict[str, int], seed: int,
                    cache_dir: str) -> dict[str, Optional[object]]:
     """``{"train", "valid", "test"}`` datasets (None for an empty split or zero requested samples)."""
-    if data.path is not None:
-        prefixes, weights = parse_blend(data.path)
-        sources = [_open(p) for p in prefixes]
-        if weights is None:
-            weights = [float(s.num_tokens) for s in sources]
-            weights = [w / sum(weights) for w in weights]
-    elif data.mock:
-        sources, weights = [MockIndexed(tokenizer.vocab_size, tokenizer.eod)], [1.0]
-    else:
-        sources, weights = [_open(_text_source(data, tokenizer, cache_dir))], [1.0]
+    per_split = {"train": data.train_path, "valid": data.valid_path, "test": data.test_path}
+    shared = None
+    if data.train_path is None:
+        if data.path is not None:
+            shared = _sources(data.path)
+        elif data.mock:
+            shared = [MockIndexed(tokenizer.vocab_size, tokenizer.eod)], [1.0]
+        else:
+            shared = [_open(_text_source(data, tokenizer, cache_dir))], [1.0]
     datasets: dict[str, Optional[object]] = {}
     for split_number, name in enumerate(SPLIT_NAMES):
         requested = num_samples.get(name, 0)
-        if requested <= 0:
+        if requested <= 0 or (shared is None and per_split[name] is None):
             datasets[name] = None
             continue
-        per_source, targets = component_sizes(weights, requested) if len(sources) > 1 else ([requested], [requested])
-        parts = []
-        for source, n in zip(sources, per_source):
-            bounds = split_ranges(data.split, len(source))[split_number]
-            if bounds is None:
-                parts = []
-                break
-            parts.append(GPTDataset(source, np.arange(*bounds, dtype=np.int32), n, data.seq_length, seed, name, cache_dir))
-        if not parts:
-            datasets[name] = None
-        elif len(parts) == 1:
-            datasets[name] = parts[0]
+        if shared is None:
+            sources, weights = _sources(per_split[name])
+            ranges = [(0, len(s)) for s in sources]
         else:
-            description = {"prefixes": [s.prefix for s in sources], "seq_length": data.seq_length, "seed": seed}
-            datasets[name] = BlendedDataset(parts, weights, sum(targets), name, cache_dir, description)
+            sources, weights = shared
+            ranges = [split_ranges(data.split, len(s))[split_number] for s in sources]
+        datasets[name] = _split_dataset(sources, weights, ranges, requested, name, data, seed, cache_dir)
     return datasets

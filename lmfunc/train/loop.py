@@ -21,6 +21,7 @@ from lmfunc.config.model import ConfigError
 from lmfunc.config.train import RunConfig, TrainConfig
 from lmfunc.config.yaml_io import config_to_dict, save_config
 from lmfunc.data.batch import lm_batch
+from lmfunc.data.loader import PrefetchLoader
 from lmfunc.data.pipeline import build_datasets
 from lmfunc.data.tokenizer import load_tokenizer, padded_vocab_size
 from lmfunc.generate import generate
@@ -179,15 +180,19 @@ def train(cfg: TrainConfig) -> RunResult:
         meter.pause(time.perf_counter() - began)
 
     evaluating = valid_data is not None and run.eval_iters > 0
+    starts = plan.samples_before_steps(train_iters)[:-1]
+    loader = PrefetchLoader(  # builds the next batches on a thread while the step runs
+        lambda start: (plan.num_microbatches_at(start),
+                       _batch(train_data, start, plan.num_microbatches_at(start), cfg, tokenizer)),
+        starts,
+    )
     meter, interval_losses, consumed, step = _Throughput(), [], 0, 0
     exit_reason = "train_iters" if run.train_iters is not None else "train_samples"
     try:
         if evaluating:
             validate(0)
         start = time.perf_counter()
-        for step in range(1, train_iters + 1):
-            microbatches = plan.num_microbatches_at(consumed)
-            batch = _batch(train_data, consumed, microbatches, cfg, tokenizer)
+        for step, (microbatches, batch) in enumerate(loader, start=1):
             state, metrics = train_step(state, batch)
             loss = float(metrics["loss"])
             if not math.isfinite(loss):
@@ -238,5 +243,6 @@ def train(cfg: TrainConfig) -> RunResult:
         if sample is not None:
             logger.echo(f"sample (temperature 0.8, top-k 40):\n{sample}")
     finally:
+        loader.close()
         logger.close()
     return RunResult(run_dir, step, consumed, train_losses, val_losses, sample, exit_reason)
