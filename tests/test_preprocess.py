@@ -105,3 +105,21 @@ def test_data_benchmark_runs(capsys):
     bench_main(DataBenchConfig(megabytes=0.3, workers=(1,), repeats=1, batches=5, seq_length=32))
     out = capsys.readouterr().out
     assert "preprocess workers=1:" in out and "samples/s" in out
+
+
+@pytest.mark.slow
+def test_a_100_megabyte_single_line(tmp_path):
+    """One JSON line of 100 MB is streamed through without a per-token Python list."""
+    source = tmp_path / "huge.jsonl"
+    with open(source, "w") as f:
+        f.write('{"text": "')
+        chunk = "abcdefghij" * 100_000  # 1 MB
+        for _ in range(100):
+            f.write(chunk)
+        f.write('"}\n{"text": "small"}\n')
+    counts = preprocess(PreprocessArgs(input=str(source), output_prefix=str(tmp_path / "out"), append_eod=True),
+                        progress=False)
+    assert counts["documents"] == 2
+    ds = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds.sequence_lengths.tolist() == [100_000_001, 6]
+    assert bytes(ds.get(0, 99_999_990, 10).astype(np.uint8)) == b"abcdefghij" and ds[0][-1] == 256

@@ -121,9 +121,9 @@ def encode_line(job: tuple[str, int, bytes, tuple[str, ...], bool, bool]) -> tup
         texts = [str(t) for t in (value if isinstance(value, list) else [value]) if str(t).strip()]
         if split:
             texts = [s for t in texts for s in split_sentences(t)]
-        sentences = [ids for ids in (_TOKENIZER.encode(t) for t in texts) if ids]
+        sentences = [ids for ids in (_TOKENIZER.encode_array(t) for t in texts) if ids.size]
         if sentences and append_eod:
-            sentences[-1] = sentences[-1] + [_TOKENIZER.eod]
+            sentences[-1] = np.append(sentences[-1], np.int32(_TOKENIZER.eod))
         out[key] = sentences
     return path, number, len(raw), out
 

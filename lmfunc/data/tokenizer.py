@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Iterable, Optional
 
+import numpy as np
+
 from lmfunc.config.model import ConfigError
 
 
@@ -21,6 +23,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode`` as an int32 array, without a Python list (for very long texts)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the byte ids in ``ids`` (special ids dropped, invalid UTF-8 replaced)."""
@@ -70,6 +76,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
