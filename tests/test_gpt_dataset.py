@@ -83,7 +83,9 @@ def test_epochs_and_the_separate_final_epoch():
     assert sorted(separate.shuffle_index[:sans].tolist()) == list(range(sans))
     joint = build_indices(sizes, ids, 10, 17, seed=1)  # 8 of 9 needed: not separate
     assert sorted(joint.document_index.tolist()) == sorted(list(range(10)) * 2)
-    assert build_indices(sizes, ids, 10, 12, seed=2).document_index.tolist() != separate.document_index.tolist()
+    other_seed = build_indices(sizes, ids, 10, 12, seed=2)
+    assert other_seed.document_index.tolist() != separate.document_index.tolist()
+    assert other_seed.shuffle_index.tolist() != separate.shuffle_index.tolist()
 
 
 def test_cache_is_reused_only_for_identical_settings(tmp_path):

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import re
 import sys
+import threading
 import time
 from typing import Iterator, Optional, Sequence
 
@@ -128,6 +129,28 @@ def encode_line(job: tuple[str, int, bytes, tuple[str, ...], bool, bool]) -> tup
     return path, number, len(raw), out
 
 
+class _BoundedFeed:
+    """Jobs for ``Pool.imap`` with at most ``window`` in flight. ``Pool.imap`` alone reads its whole
+    input ahead, so memory would grow with the input; here its feeder thread waits for a free slot,
+    and each result the consumer takes frees one. ``stop()`` releases a waiting feeder."""
+
+    def __init__(self, jobs: Iterator, window: int):
+        self.jobs, self.slots, self.stopped = jobs, threading.Semaphore(window), threading.Event()
+
+    def __iter__(self) -> Iterator:
+        for job in self.jobs:
+            while not self.slots.acquire(timeout=0.1):
+                if self.stopped.is_set():
+                    return
+            yield job
+
+    def done_one(self) -> None:
+        self.slots.release()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
 def output_prefixes(args: PreprocessArgs) -> dict[str, str]:
     level = "sentence" if args.split_sentences else "document"
     return {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
@@ -150,11 +173,13 @@ def preprocess(args: PreprocessArgs, progress: bool = True) -> dict[str, int]:
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress, file=sys.stderr)
     started, done_bytes = time.perf_counter(), 0
     pool = multiprocessing.Pool(args.workers, _init_worker, (args.tokenizer,)) if args.workers > 1 else None
+    feed = _BoundedFeed(jobs, window=1024 * args.workers)
     try:
         if pool is None:
             _init_worker(args.tokenizer)
-        results = pool.imap(encode_line, jobs, chunksize=32) if pool else map(encode_line, jobs)
+        results = pool.imap(encode_line, feed, chunksize=32) if pool else map(encode_line, feed)
         for line_index, (path, number, size, result) in enumerate(results):
+            feed.done_one()
             done_bytes += size
             bar.update(size)
             if isinstance(result, str):
@@ -178,6 +203,7 @@ def preprocess(args: PreprocessArgs, progress: bool = True) -> dict[str, int]:
                 builder.abort()
         raise
     finally:
+        feed.stop()
         bar.close()
         if pool is not None:
             pool.terminate()
