@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
-from lmfunc.config.model import MODEL_PRESETS, ConfigError, ModelConfig, model_preset
+from lmfunc.config.model import ConfigError, ModelConfig, model_preset
 from lmfunc.config.train import TrainConfig
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -191,5 +191,5 @@ def save_config(cfg: TrainConfig, path: str) -> None:
         yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
 
 
-__all__ = ["MODEL_PRESETS", "config_to_dict", "dataclass_from_dict", "load_config", "read_yaml", "save_config",
+__all__ = ["config_to_dict", "dataclass_from_dict", "load_config", "read_yaml", "save_config",
            "train_config_from_dict"]

@@ -111,12 +111,17 @@ def _batch(dataset, start: int, microbatches: int, cfg: TrainConfig, tokenizer) 
                     getattr(tokenizer, "pad", None))
 
 
-def _evaluate(eval_step, params, dataset, cfg: TrainConfig, tokenizer) -> float:
-    """Mean validation loss over the first ``eval_iters`` global batches of the validation split."""
+def _eval_batches(dataset, cfg: TrainConfig, tokenizer) -> list[dict]:
+    """The first ``eval_iters`` global batches of the validation split (the same at every evaluation)."""
     microbatches = cfg.run.global_batch_size // cfg.run.micro_batch_size
+    return [_batch(dataset, i * cfg.run.global_batch_size, microbatches, cfg, tokenizer) for i in range(cfg.run.eval_iters)]
+
+
+def _evaluate(eval_step, params, batches: list[dict]) -> float:
+    """Mean loss per token over ``batches``."""
     loss_sum, count = 0.0, 0.0
-    for i in range(cfg.run.eval_iters):
-        out = eval_step(params, _batch(dataset, i * cfg.run.global_batch_size, microbatches, cfg, tokenizer))
+    for batch in batches:
+        out = eval_step(params, batch)
         loss_sum, count = loss_sum + float(out["loss_sum"]), count + float(out["num_tokens"])
     return loss_sum / max(count, 1.0)
 
@@ -153,10 +158,11 @@ def train(cfg: TrainConfig) -> RunResult:
     logger.echo("resolved config:\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False).rstrip())
     peak_flops = cfg.log.peak_flops or measure_matmul_peak_flops()
     flops_token = flops_per_token(cfg.model, seq)
+    source = cfg.data.path or cfg.data.train_path or cfg.data.text_file or ("mock" if cfg.data.mock else "embedded corpus")
     logger.echo(
         f"run directory: {run_dir}\n"
         f"data: {len(train_data)} train / {len(valid_data) if valid_data else 0} validation samples of {seq} tokens "
-        f"({cfg.data.path or cfg.data.text_file or ('mock' if cfg.data.mock else 'embedded corpus')}); {train_iters} steps; model {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
+        f"({source}); {train_iters} steps; model {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
         f"{flops_token / 1e6:.2f} MFLOP/token; MFU peak {peak_flops / 1e9:.1f} GFLOP/s "
         f"({'configured' if cfg.log.peak_flops else 'measured fp32 matmul'})"
     )
@@ -172,7 +178,7 @@ def train(cfg: TrainConfig) -> RunResult:
 
     def validate(step: int) -> None:
         began = time.perf_counter()
-        val_loss = _evaluate(eval_step, state.params, valid_data, cfg, tokenizer)
+        val_loss = _evaluate(eval_step, state.params, eval_batches)
         val_losses.append((step, val_loss))
         logger.record("valid", step, loss=val_loss, ppl=math.exp(min(val_loss, 50.0)))
         note = " (compiling the eval step included)" if step == 0 and run.compile else ""
@@ -180,12 +186,14 @@ def train(cfg: TrainConfig) -> RunResult:
         meter.pause(time.perf_counter() - began)
 
     evaluating = valid_data is not None and run.eval_iters > 0
-    starts = plan.samples_before_steps(train_iters)[:-1]
-    loader = PrefetchLoader(  # builds the next batches on a thread while the step runs
-        lambda start: (plan.num_microbatches_at(start),
-                       _batch(train_data, start, plan.num_microbatches_at(start), cfg, tokenizer)),
-        starts,
-    )
+    eval_batches = _eval_batches(valid_data, cfg, tokenizer) if evaluating else []
+
+    def train_batch(start: int) -> tuple[int, dict]:
+        microbatches = plan.num_microbatches_at(start)
+        return microbatches, _batch(train_data, start, microbatches, cfg, tokenizer)
+
+    # The next batches are built on a thread while the step runs.
+    loader = PrefetchLoader(train_batch, plan.samples_before_steps(train_iters)[:-1])
     meter, interval_losses, consumed, step = _Throughput(), [], 0, 0
     exit_reason = "train_iters" if run.train_iters is not None else "train_samples"
     try:
