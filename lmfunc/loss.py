@@ -1,19 +1,22 @@
 """Language-model losses. Logits are upcast to fp32 inside the loss.
 
-Losses return ``(sum_of_token_losses, num_tokens)`` rather than a mean, so that microbatches,
-data-parallel ranks and (later) MTP depths can be summed first and divided once by the global
-token count — Megatron's ``sum(loss * mask) / sum(mask)``.
+Losses return sums of token losses and token counts rather than means, so that microbatches and
+data-parallel ranks can be summed first and divided once by the global token count — Megatron's
+``sum(loss * mask) / sum(mask)``. Multi-token-prediction losses ride along in ``LossOutput`` and
+reach the gradient through ``attach_aux_loss``, as Megatron's ``MTPLossAutoScaler`` does.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from lmfunc import model
 from lmfunc.config import ModelConfig
+from lmfunc.model import mtp
+from lmfunc.model.aux_loss import attach_aux_loss
 from lmfunc.model.layers import upcast
 
 
@@ -33,19 +36,81 @@ def masked_cross_entropy(
     return (per_token * mask).sum(), mask.sum()
 
 
+class LossOutput(NamedTuple):
+    """Sums and counts of one batch. ``mtp_loss_sums``/``mtp_num_tokens`` are ``[D]`` (empty
+    without multi-token prediction); the per-token mean of depth k is their ratio."""
+
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    mtp_loss_sums: torch.Tensor
+    mtp_num_tokens: torch.Tensor
+
+
+def mtp_aux_loss(
+    mtp_loss_sums: torch.Tensor, mtp_num_tokens: torch.Tensor, num_tokens: torch.Tensor, cfg: ModelConfig,
+    calculate_per_token_loss: bool,
+) -> torch.Tensor:
+    """Megatron's MTP objective of one microbatch: ``(factor / D) * sum_k loss_k``.
+
+    ``loss_k`` is the depth's per-token mean ``sum_k / max(N_k, 1)``; with
+    ``calculate_per_token_loss`` it is rescaled to the main loss's token count,
+    ``sum_k * N_0 / max(N_k, 1)``, because the whole objective is then divided by the global N_0.
+    """
+    weight = cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers
+    per_depth = mtp_loss_sums / torch.clamp(mtp_num_tokens, min=1.0)
+    if calculate_per_token_loss:
+        per_depth = per_depth * num_tokens
+    return weight * per_depth.sum()
+
+
 def lm_loss(
     params: model.gpt.Params,
     batch: Mapping[str, torch.Tensor],
     cfg: ModelConfig,
     dropout_seed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token loss of one batch: ``(sum_of_token_losses, num_tokens)``.
+    """Next-token loss of one batch: ``(sum_of_token_losses, num_tokens)`` (no MTP depths).
 
     ``batch`` holds ``tokens`` and ``labels`` ``[B, S]`` and optionally ``loss_mask``,
     ``position_ids`` and ``doc_ids`` ``[B, S]``.
     """
-    hidden = model.forward(
-        params, batch["tokens"], cfg,
-        positions=batch.get("position_ids"), doc_ids=batch.get("doc_ids"), dropout_seed=dropout_seed,
-    )
-    return masked_cross_entropy(model.logits(params, hidden, cfg), batch["labels"], batch.get("loss_mask"))
+    out = lm_losses(params, batch, cfg, dropout_seed)
+    return out.loss_sum, out.num_tokens
+
+
+def lm_losses(
+    params: model.gpt.Params,
+    batch: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    dropout_seed: Optional[torch.Tensor] = None,
+    mtp_grad_scale: Optional[torch.Tensor] = None,
+    calculate_per_token_loss: bool = True,
+) -> LossOutput:
+    """Next-token loss of one batch and, when asked for, the multi-token-prediction losses.
+
+    ``batch`` holds ``tokens`` and ``labels`` ``[B, S]`` and optionally ``loss_mask``,
+    ``position_ids`` and ``doc_ids`` ``[B, S]``.
+    mtp_grad_scale: when given and ``cfg.mtp_num_layers > 0``, the MTP depths run and their
+        objective (``mtp_aux_loss``) is attached to the final hidden states with
+        ``attach_aux_loss``, receiving this gradient (the loss scale times the step's
+        normalisation). Without it (evaluation) the MTP depths are skipped.
+    """
+    tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch.get("loss_mask")
+    positions, doc_ids = batch.get("position_ids"), batch.get("doc_ids")
+    hidden = model.forward(params, tokens, cfg, positions=positions, doc_ids=doc_ids, dropout_seed=dropout_seed)
+    mtp_sums, mtp_counts = [], []
+    if cfg.mtp_num_layers > 0 and mtp_grad_scale is not None:
+        mask = loss_mask.to(torch.float32) if loss_mask is not None else torch.ones(labels.shape, device=labels.device)
+        depth_labels, depth_mask = labels, mask
+        for h in mtp.forward(params, hidden, tokens, cfg, positions, doc_ids, dropout_seed):
+            depth_labels, depth_mask = mtp.roll_left(depth_labels), mtp.roll_left(depth_mask)
+            depth_sum, depth_count = masked_cross_entropy(model.logits(params, h, cfg), depth_labels, depth_mask)
+            mtp_sums.append(depth_sum)
+            mtp_counts.append(depth_count)
+        sums, counts = torch.stack(mtp_sums), torch.stack(mtp_counts)
+        aux = mtp_aux_loss(sums, counts, mask.sum(), cfg, calculate_per_token_loss)
+        hidden = attach_aux_loss(hidden, aux, mtp_grad_scale)
+    loss_sum, num_tokens = masked_cross_entropy(model.logits(params, hidden, cfg), labels, loss_mask)
+    if not mtp_sums:
+        return LossOutput(loss_sum, num_tokens, loss_sum.new_zeros(0), loss_sum.new_zeros(0))
+    return LossOutput(loss_sum, num_tokens, sums, counts)

@@ -63,6 +63,13 @@ class ModelConfig:
     """Dropout on the embedding output and on each block's residual branches."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths D (DeepSeek-V3 / Megatron); depth k also predicts token t+k+1."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP losses: the objective gains (factor / D) x the sum of the per-depth losses."""
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recompute: 'selective' recomputes the attention core in the backward pass,
+    'full' recomputes each whole transformer block (only its input is kept)."""
 
     @property
     def query_groups(self) -> int:
@@ -138,6 +145,14 @@ def validate_model(cfg: ModelConfig) -> None:
     )
     _require(
         cfg.activation in ("swiglu", "gelu"), f"model.activation must be 'swiglu' or 'gelu', got {cfg.activation!r}"
+    )
+    _require(isinstance(cfg.mtp_num_layers, int) and cfg.mtp_num_layers >= 0,
+             f"model.mtp_num_layers must be an integer >= 0, got {cfg.mtp_num_layers!r}")
+    _require(cfg.mtp_loss_scaling_factor >= 0,
+             f"model.mtp_loss_scaling_factor must be >= 0, got {cfg.mtp_loss_scaling_factor}")
+    _require(
+        cfg.recompute_granularity in ("none", "selective", "full"),
+        f"model.recompute_granularity must be 'none', 'selective' or 'full', got {cfg.recompute_granularity!r}",
     )
 
 

@@ -82,6 +82,16 @@ class OptimConfig:
     """Length of the WSD annealing phase in samples (sample-based runs)."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (norm scales and biases are exempt)."""
+    embedding_weight_decay: bool = True
+    """Decay the embeddings and the output layer too (False exempts them)."""
+    decoupled_lr: Optional[float] = None
+    """Peak lr of the token embedding and the output layer (Megatron's --decoupled-lr); None uses optim.lr."""
+    decoupled_min_lr: Optional[float] = None
+    """Final lr of the decoupled group; None uses optim.min_lr."""
+    scale_lr_patterns: tuple[str, ...] = ()
+    """Dotted parameter names (shell patterns, e.g. '*.mlp.*') whose lr is multiplied by optim.lr_mult."""
+    lr_mult: float = 1.0
+    """Learning-rate multiplier of the parameters matching optim.scale_lr_patterns."""
     adam_beta1: float = 0.9
     """Adam first-moment decay."""
     adam_beta2: float = 0.95
@@ -94,10 +104,33 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Numerics. This version trains in fp32 only; bf16/fp16 with loss scaling come later."""
+    """Numerics: fp32 master weights and optimizer state; the compute dtype; loss scaling (Megatron's)."""
 
     compute_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute dtype of the forward/backward (only fp32 is accepted in this version)."""
+    """Dtype of the forward and backward matmuls; norms, softmax, logits' loss and gradients stay fp32."""
+    loss_scale: Optional[float] = None
+    """A static loss scale; None means dynamic scaling with fp16 and none otherwise."""
+    initial_loss_scale: float = 2.0**32
+    """Starting scale of dynamic loss scaling."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never backs off below this."""
+    loss_scale_window: int = 1000
+    """Clean steps before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves."""
+    check_for_nan_in_loss: bool = True
+    """Stop with an error naming the step when the training loss is NaN or infinite."""
+
+    def loss_scaling(self) -> Optional["LossScaleConfig"]:
+        """The loss scaler these settings ask for: static, dynamic (fp16) or None."""
+        from lmfunc.precision import LossScaleConfig
+
+        if self.loss_scale is not None:
+            return LossScaleConfig(dynamic=False, initial_scale=self.loss_scale, min_scale=min(1.0, self.loss_scale))
+        if self.compute_dtype != "fp16":
+            return None
+        return LossScaleConfig(initial_scale=self.initial_loss_scale, min_scale=self.min_loss_scale,
+                               growth_interval=self.loss_scale_window, hysteresis=self.hysteresis)
 
 
 @dataclass(frozen=True)
@@ -175,6 +208,9 @@ class RunConfig:
     """Prompt of the text sample printed at the end of training."""
     sample_tokens: int = 200
     """Tokens generated for the end-of-run sample; 0 skips it."""
+    calculate_per_token_loss: bool = True
+    """Divide the whole batch's summed token loss once by its token count (Megatron's
+    --calculate-per-token-loss); False averages per-microbatch means (Megatron's default)."""
 
 
 @dataclass(frozen=True)
@@ -276,6 +312,18 @@ def _validate_length(cfg: TrainConfig) -> None:
                  f"optim.lr_decay_style WSD needs 0 < optim.lr_wsd_decay_{unit} <= {total}, got {wsd}")
 
 
+def _validate_precision(precision: PrecisionConfig) -> None:
+    _require(precision.compute_dtype in ("fp32", "bf16", "fp16"),
+             f"precision.compute_dtype must be fp32, bf16 or fp16, got {precision.compute_dtype!r}")
+    _require(precision.loss_scale is None or precision.loss_scale > 0,
+             f"precision.loss_scale must be positive (or unset for dynamic scaling), got {precision.loss_scale}")
+    _require(precision.initial_loss_scale > 0 and 0 < precision.min_loss_scale <= precision.initial_loss_scale,
+             f"need 0 < precision.min_loss_scale <= precision.initial_loss_scale, got "
+             f"{precision.min_loss_scale} and {precision.initial_loss_scale}")
+    _positive(precision.loss_scale_window, "precision.loss_scale_window")
+    _positive(precision.hysteresis, "precision.hysteresis")
+
+
 def validate_train(cfg: TrainConfig) -> None:
     """Cross-field checks of a ``TrainConfig`` (each section's own fields are checked too)."""
     run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
@@ -305,9 +353,14 @@ def validate_train(cfg: TrainConfig) -> None:
     _require(run.exit_duration_in_mins is None or run.exit_duration_in_mins > 0,
              f"run.exit_duration_in_mins must be positive, got {run.exit_duration_in_mins}")
     _require(run.sample_tokens >= 0, f"run.sample_tokens must be >= 0, got {run.sample_tokens}")
-    _require(cfg.precision.compute_dtype == "fp32",
-             f"precision.compute_dtype {cfg.precision.compute_dtype!r} is not supported by this version of "
-             "lmfunc yet; use fp32")
+    _validate_precision(cfg.precision)
+    if optim.decoupled_lr is not None or optim.decoupled_min_lr is not None:
+        _require(optim.decoupled_lr is not None, "optim.decoupled_min_lr needs optim.decoupled_lr")
+        low = optim.min_lr if optim.decoupled_min_lr is None else optim.decoupled_min_lr
+        _require(optim.decoupled_lr > 0 and 0 <= low <= optim.decoupled_lr,
+                 f"need optim.decoupled_lr > 0 and 0 <= decoupled_min_lr (or min_lr) <= decoupled_lr, got "
+                 f"decoupled_lr={optim.decoupled_lr}, decoupled_min_lr={optim.decoupled_min_lr}, min_lr={optim.min_lr}")
+    _require(optim.lr_mult > 0, f"optim.lr_mult must be positive, got {optim.lr_mult}")
     for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
         value = getattr(cfg.parallel, name)
         _positive(value, f"parallel.{name}")

@@ -9,6 +9,7 @@ Tree layout (dotted names are stable; ``layers`` is keyed "0", "1", ...)::
     layers.<i>.mlp.{w_gate, w_up [h, f] | w_in [h, f]; w_out [f, h]; b_*}
     final_norm.{scale, bias}
     output [h, V]                  (untied only)
+    mtp.<k>.{enorm, hnorm, eh_proj [2h, h], layer.<as layers.<i>>, final_norm}   (mtp_num_layers > 0)
 
 One table (``param_specs``) gives every leaf's shape, logical axes and initialiser, so
 ``init`` and ``param_axes`` can never disagree.
@@ -24,6 +25,7 @@ import torch
 
 from lmfunc.config import ModelConfig
 from lmfunc.model import layers
+from lmfunc.model.recompute import checkpointed
 from lmfunc.tree import Axes, tree_map, tree_map_with_path
 
 Params = dict
@@ -89,7 +91,22 @@ def param_specs(cfg: ModelConfig) -> Params:
     }
     if not cfg.tie_embeddings:
         specs["output"] = LeafSpec((h, v), ("embed", "vocab"), "normal")
+    if cfg.mtp_num_layers > 0:
+        specs["mtp"] = {str(k): _mtp_spec(cfg) for k in range(cfg.mtp_num_layers)}
     return specs
+
+
+def _mtp_spec(cfg: ModelConfig) -> dict:
+    """One multi-token-prediction depth: norms of the embedding and of the previous hidden state,
+    the ``[2h, h]`` projection of their concatenation, one transformer layer and its final norm."""
+    h = cfg.hidden_size
+    return {
+        "enorm": _norm_spec(cfg, h, "embed"),
+        "hnorm": _norm_spec(cfg, h, "embed"),
+        "eh_proj": LeafSpec((2 * h, h), ("mtp_concat", "embed"), "normal"),
+        "layer": _layer_spec(cfg),
+        "final_norm": _norm_spec(cfg, h, "embed"),
+    }
 
 
 def _is_spec(x: object) -> bool:
@@ -160,15 +177,24 @@ def block(
     return x + layers.dropout(mlp_out, cfg.hidden_dropout, dropout_seed, stream + 2)
 
 
+def embed_tokens(params: Params, tokens: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Token embeddings ``[B, S, h]``, plus learned position embeddings when the model has them."""
+    x = params["embed"]["tokens"][tokens]
+    if cfg.position_embedding_type == "rope":
+        return x
+    return x + params["embed"]["positions"][positions]
+
+
+def rope_for(positions: torch.Tensor, cfg: ModelConfig) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """RoPE cos/sin tables for ``positions`` (None with learned positions)."""
+    return layers.rope_tables(positions, cfg) if cfg.position_embedding_type == "rope" else None
+
+
 def embed(
     params: Params, tokens: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig
 ) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
-    """Token embeddings ``[B, S, h]`` (plus learned position embeddings) and the RoPE cos/sin
-    tables for ``positions`` (None with learned positions)."""
-    x = params["embed"]["tokens"][tokens]
-    if cfg.position_embedding_type == "rope":
-        return x, layers.rope_tables(positions, cfg)
-    return x + params["embed"]["positions"][positions], None
+    """``embed_tokens`` and ``rope_for`` of the same positions."""
+    return embed_tokens(params, tokens, positions, cfg), rope_for(positions, cfg)
 
 
 def forward(
@@ -195,8 +221,9 @@ def forward(
     x, rope = embed(params, tokens, positions, cfg)
     x = layers.dropout(x, cfg.hidden_dropout, dropout_seed, 1)
     mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
+    run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
     for i in range(cfg.num_layers):
-        x = block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
+        x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
     return layers.norm(params["final_norm"], x, cfg)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfunc.config import ModelConfig
+from lmfunc.model.recompute import checkpointed
 
 Params = dict
 
@@ -163,7 +164,8 @@ def attention(
     ``mask`` is None (plain causal) or the boolean ``[B, 1, S, S]`` from ``attention_mask``.
     """
     q, k, v = project_qkv(p, x, cfg, rope)
-    out = _attention_core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, cfg, seed, stream)
+    core = checkpointed(_attention_core) if cfg.recompute_granularity == "selective" else _attention_core
+    out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, cfg, seed, stream)
     return project_out(p, out, cfg)
 
 

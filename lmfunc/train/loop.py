@@ -26,6 +26,7 @@ from lmfunc.data.pipeline import build_datasets
 from lmfunc.data.tokenizer import load_tokenizer, padded_vocab_size
 from lmfunc.generate import generate
 from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops, memory_stats_mib
+from lmfunc.precision import check_for_nan_in_loss, compute_dtype
 from lmfunc.train.batching import BatchPlan
 from lmfunc.train.log import RunLogger
 from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
@@ -126,6 +127,15 @@ def _evaluate(eval_step, params, batches: list[dict]) -> float:
     return loss_sum / max(count, 1.0)
 
 
+def _step_extras(metrics: dict, state: TrainState) -> dict[str, float]:
+    """The MTP losses of the last step and the loss scaler's state, for the log line and record."""
+    extra = {k: float(v) for k, v in metrics.items() if k.startswith("mtp_")}
+    if state.loss_scale is not None:
+        extra["loss_scale"] = float(state.loss_scale.scale)
+        extra["skipped_steps"] = float(state.loss_scale.skipped_steps)
+    return extra
+
+
 def _sample_text(params, cfg: TrainConfig, tokenizer) -> Optional[str]:
     prompt = tokenizer.encode(cfg.run.sample_prompt) or [tokenizer.eod]
     new_tokens = min(cfg.run.sample_tokens, cfg.model.max_position_embeddings - len(prompt))
@@ -168,10 +178,18 @@ def train(cfg: TrainConfig) -> RunResult:
     )
 
     schedule = build_lr_schedule(cfg, plan, train_iters)
-    tx = build_optimizer(cfg, schedule)
-    state = TrainState.create(model.init(cfg.model, seed=run.seed), tx, seed=run.seed)
-    train_step = make_train_step(cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule, compile=run.compile)
-    eval_step = make_eval_step(cfg.model, compile=run.compile)
+    decoupled = (build_lr_schedule(cfg, plan, train_iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr)
+                 if cfg.optim.decoupled_lr is not None else None)
+    params = model.init(cfg.model, seed=run.seed)
+    tx = build_optimizer(cfg, schedule, params, decoupled)
+    loss_scale = cfg.precision.loss_scaling()
+    dtype = compute_dtype(cfg.precision.compute_dtype)
+    state = TrainState.create(params, tx, seed=run.seed, loss_scale=loss_scale)
+    train_step = make_train_step(
+        cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule, compute_dtype=dtype,
+        loss_scale=loss_scale, calculate_per_token_loss=run.calculate_per_token_loss, compile=run.compile,
+    )
+    eval_step = make_eval_step(cfg.model, compute_dtype=dtype, compile=run.compile)
 
     train_losses: list[tuple[int, float]] = []
     val_losses: list[tuple[int, float]] = []
@@ -203,8 +221,8 @@ def train(cfg: TrainConfig) -> RunResult:
         for step, (microbatches, batch) in enumerate(loader, start=1):
             state, metrics = train_step(state, batch)
             loss = float(metrics["loss"])
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"the training loss is {loss} at step {step}; lower optim.lr or check the data")
+            if cfg.precision.check_for_nan_in_loss:
+                check_for_nan_in_loss(loss, step, skipped=bool(metrics.get("skipped", 0.0)))
             consumed += microbatches * run.micro_batch_size
             interval_losses.append(loss)
             if step == 1:
@@ -219,15 +237,17 @@ def train(cfg: TrainConfig) -> RunResult:
                 mean_loss = sum(interval_losses) / len(interval_losses)
                 memory = memory_stats_mib()
                 mfu = tokens_per_s * flops_token / peak_flops if tokens_per_s else None
+                extra = _step_extras(metrics, state)
                 logger.record(
                     "train", step, loss=mean_loss, grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]),
                     tokens_per_s=tokens_per_s, mfu=mfu, consumed_samples=consumed,
                     global_batch_size=microbatches * run.micro_batch_size,
-                    **{f"mem_{k}_mib": round(v, 1) for k, v in memory.items()},
+                    **extra, **{f"mem_{k}_mib": round(v, 1) for k, v in memory.items()},
                 )
                 logger.echo(
                     f"step {step:>6d}/{train_iters} | loss {mean_loss:.4f} | grad norm {float(metrics['grad_norm']):.3f} | "
                     f"lr {float(metrics['lr']):.3e} | "
+                    + "".join(f"{k.replace('_', ' ')} {v:.4g} | " for k, v in extra.items())
                     + (f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "tok/s - | MFU -")
                     + f" | mem {memory['peak_rss']:.0f} MiB peak RSS"
                 )

@@ -1,22 +1,43 @@
-"""The optimizer and learning-rate schedule of a ``TrainConfig`` (Megatron's ``OptimizerParamScheduler``).
+"""The optimizer and learning-rate schedules of a ``TrainConfig`` (Megatron's ``OptimizerParamScheduler``
+and parameter groups).
 
 Iteration-based runs schedule over optimizer steps (Megatron's sample counts divided by the fixed
 global batch size: the same curve). Sample-based runs schedule over consumed samples, looked up
 per step from the run's batch plan, so a batch-size ramp-up gives Megatron's learning rates exactly.
+
+Parameter groups, as Megatron builds them: no weight decay on 1-D leaves (norm scales, biases) and
+optionally none on the embeddings and output layer; ``optim.decoupled_lr``/``decoupled_min_lr``
+for the token embedding and the output layer (same warmup and decay); ``optim.lr_mult`` for the
+leaves whose dotted names match ``optim.scale_lr_patterns`` (Megatron's ``scale_lr_cond``).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lmfunc.config.train import TrainConfig
-from lmfunc.optim import GradientTransformation, adamw, warmup_decay_schedule
-from lmfunc.optim.transforms import Schedule
+from lmfunc.optim import GradientTransformation, add_decayed_weights, chain, scale_by_adam, warmup_decay_schedule
+from lmfunc.optim.partition import multi_transform, name_matches, param_labels
+from lmfunc.optim.transforms import Schedule, scale_by_learning_rate
 from lmfunc.train.batching import BatchPlan
+from lmfunc.tree import PyTree, tree_leaves
+
+EMBEDDING_AND_OUTPUT = ("embed.tokens", "output")
+"""Leaves that get ``optim.decoupled_lr`` (Megatron's ``is_embedding_or_output_parameter``)."""
+EMBEDDINGS = ("embed.*", "output")
+"""Leaves exempt from weight decay when ``optim.embedding_weight_decay`` is False."""
 
 
-def build_lr_schedule(cfg: TrainConfig, plan: BatchPlan, train_iters: int) -> Schedule:
-    """``lr(step)`` for the run: warmup, then ``optim.lr_decay_style`` down to ``optim.min_lr``."""
+def build_lr_schedule(
+    cfg: TrainConfig, plan: BatchPlan, train_iters: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None
+) -> Schedule:
+    """``lr(step)`` for the run: warmup, then ``optim.lr_decay_style`` down to the minimum.
+
+    ``max_lr``/``min_lr`` replace ``optim.lr``/``optim.min_lr`` (for a decoupled group); warmup
+    still starts from ``optim.lr_warmup_init``.
+    """
     optim, run = cfg.optim, cfg.run
     if run.train_iters is not None:
         decay, warmup, wsd = optim.lr_decay_iters or run.train_iters, optim.lr_warmup_iters, optim.lr_wsd_decay_iters
@@ -25,8 +46,8 @@ def build_lr_schedule(cfg: TrainConfig, plan: BatchPlan, train_iters: int) -> Sc
     if optim.lr_warmup_fraction is not None:
         warmup = int(optim.lr_warmup_fraction * decay)
     schedule = warmup_decay_schedule(
-        optim.lr, optim.min_lr, warmup, decay, optim.lr_decay_style, optim.lr_warmup_init,
-        wsd or 0, optim.lr_wsd_decay_style,
+        optim.lr if max_lr is None else max_lr, optim.min_lr if min_lr is None else min_lr, warmup, decay,
+        optim.lr_decay_style, optim.lr_warmup_init, wsd or 0, optim.lr_wsd_decay_style,
     )
     if run.train_iters is not None:
         return schedule
@@ -39,8 +60,43 @@ def build_lr_schedule(cfg: TrainConfig, plan: BatchPlan, train_iters: int) -> Sc
     return schedule_over_samples
 
 
-def build_optimizer(cfg: TrainConfig, lr_schedule: Schedule) -> GradientTransformation:
-    """AdamW with ``optim``'s betas, epsilon and decoupled weight decay (matrices only)."""
+def decays(cfg: TrainConfig, name: str, leaf: torch.Tensor) -> bool:
+    """Whether weight decay applies to the leaf ``name``: matrices only, and not the embeddings
+    and output layer when ``optim.embedding_weight_decay`` is False."""
+    return leaf.dim() >= 2 and (cfg.optim.embedding_weight_decay or not name_matches(name, EMBEDDINGS))
+
+
+def lr_group(cfg: TrainConfig, name: str) -> str:
+    """The learning-rate group of the leaf ``name``: ``"<schedule> x<multiplier>"``."""
     optim = cfg.optim
-    return adamw(lr_schedule, b1=optim.adam_beta1, b2=optim.adam_beta2, eps=optim.adam_eps,
-                 weight_decay=optim.weight_decay)
+    schedule = "decoupled" if optim.decoupled_lr is not None and name_matches(name, EMBEDDING_AND_OUTPUT) else "main"
+    mult = optim.lr_mult if name_matches(name, optim.scale_lr_patterns) else 1.0
+    return f"{schedule} x{mult:g}"
+
+
+def _scaled(schedule: Schedule, mult: float) -> Schedule:
+    return schedule if mult == 1.0 else (lambda count: schedule(count) * mult)
+
+
+def build_optimizer(
+    cfg: TrainConfig, lr_schedule: Schedule, params: PyTree, decoupled_schedule: Optional[Schedule] = None
+) -> GradientTransformation:
+    """AdamW with ``optim``'s betas and epsilon, decoupled weight decay on the leaves ``decays``
+    picks, and one lr schedule per ``lr_group`` of ``params`` (the main one, or
+    ``decoupled_schedule``, times the group's multiplier)."""
+    optim = cfg.optim
+    decay_mask = param_labels(params, lambda name, leaf: decays(cfg, name, leaf))
+    labels = param_labels(params, lambda name, leaf: lr_group(cfg, name))
+    groups = {}
+    for label in sorted(set(tree_leaves(labels))):
+        schedule_name, mult = label.split(" x")
+        schedule = decoupled_schedule if schedule_name == "decoupled" else lr_schedule
+        if schedule is None:
+            raise ValueError("optim.decoupled_lr is set: build_optimizer needs decoupled_schedule")
+        groups[label] = scale_by_learning_rate(_scaled(schedule, float(mult)))
+    return chain(
+        scale_by_adam(optim.adam_beta1, optim.adam_beta2, optim.adam_eps),
+        add_decayed_weights(optim.weight_decay, decay_mask),
+        multi_transform(groups, labels),
+    )
+

@@ -9,6 +9,7 @@ import torch
 from torch.utils._pytree import register_dataclass
 
 from lmfunc.optim import GradientTransformation
+from lmfunc.precision import LossScaleConfig, init_loss_scale
 from lmfunc.tree import PyTree
 
 
@@ -19,7 +20,7 @@ class TrainState:
     step: completed optimizer steps (int64 scalar).
     consumed_samples: sequences trained on so far (int64 scalar), for resumable data order.
     rng: base seed of the step's randomness (dropout), int64 scalar.
-    loss_scale: loss-scaler state (None until mixed precision needs one).
+    loss_scale: the loss scaler's ``LossScale`` (None without loss scaling).
     """
 
     params: PyTree
@@ -30,8 +31,11 @@ class TrainState:
     loss_scale: Optional[Any] = None
 
     @classmethod
-    def create(cls, params: PyTree, tx: GradientTransformation, seed: int = 0) -> "TrainState":
-        """A fresh state at step 0 with ``tx.init(params)`` as the optimizer state."""
+    def create(
+        cls, params: PyTree, tx: GradientTransformation, seed: int = 0, loss_scale: Optional[LossScaleConfig] = None
+    ) -> "TrainState":
+        """A fresh state at step 0 with ``tx.init(params)`` as the optimizer state (and the
+        initial loss-scaler state when ``loss_scale`` is given)."""
         zero = torch.zeros((), dtype=torch.int64)
         return cls(
             params=params,
@@ -39,6 +43,7 @@ class TrainState:
             step=zero.clone(),
             consumed_samples=zero.clone(),
             rng=torch.tensor(seed, dtype=torch.int64),
+            loss_scale=init_loss_scale(loss_scale) if loss_scale is not None else None,
         )
 
     def replace(self, **changes: Any) -> "TrainState":

@@ -1,8 +1,10 @@
 """The training step as one function: ``step(state, batch) -> (state, metrics)``.
 
-Inside: a loop over microbatches (each differentiates its share of the globally normalised
-loss, so gradients just add up), global-norm clipping, the optimizer update and the counters.
-With ``compile=True`` the whole step is one ``torch.compile(fullgraph=True)`` graph.
+Inside: a loop over microbatches (each differentiates its share of the normalised, loss-scaled
+objective, so gradients just add up in fp32), unscaling and the finite check, global-norm
+clipping, the optimizer update (skipped on overflow), the loss-scaler update and the counters.
+Multi-token prediction adds its losses through ``attach_aux_loss`` inside ``lm_losses``. With
+``compile=True`` the whole step is one ``torch.compile(fullgraph=True)`` graph.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import torch
 
 from lmfunc.config import ModelConfig
 from lmfunc.grad import value_and_grad
-from lmfunc.loss import lm_loss
+from lmfunc.loss import LossOutput, lm_losses
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
+from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tree, update_loss_scale
+from lmfunc.train.remat import compile_step
 from lmfunc.train.state import TrainState
 from lmfunc.tree import tree_flatten, tree_unflatten
 
 Batch = Mapping[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
-LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+LossFn = Callable[..., LossOutput]
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "doc_ids")
 
@@ -47,20 +51,23 @@ def _microbatch_seed(state: TrainState, index: int) -> torch.Tensor:
 
 
 def _compile(fn: Callable, compile: bool, backend: Union[str, Callable]) -> Callable:
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend) if compile else fn
+    return compile_step(fn, backend) if compile else fn
 
 
 def make_eval_step(
-    cfg: ModelConfig, loss_fn: LossFn = lm_loss, compile: bool = True, backend: Union[str, Callable] = "inductor"
+    cfg: ModelConfig, loss_fn: LossFn = lm_losses, compute_dtype: torch.dtype = torch.float32,
+    compile: bool = True, backend: Union[str, Callable] = "inductor",
 ) -> Callable[..., Metrics]:
-    """``eval_step(params, batch) -> {"loss_sum", "num_tokens"}`` over all microbatches, no dropout."""
+    """``eval_step(params, batch) -> {"loss_sum", "num_tokens"}`` over all microbatches, no dropout,
+    in ``compute_dtype`` (the main next-token loss only, as Megatron's evaluation)."""
 
     def eval_step(params, batch: Batch) -> Metrics:
+        params = cast_params(params, compute_dtype)
         loss_sum = torch.zeros((), dtype=torch.float32)
         num_tokens = torch.zeros((), dtype=torch.float32)
         for i in range(batch["tokens"].shape[0]):
-            micro_loss, micro_tokens = loss_fn(params, {k: v[i] for k, v in batch.items()}, cfg)
-            loss_sum, num_tokens = loss_sum + micro_loss, num_tokens + micro_tokens
+            out = loss_fn(params, {k: v[i] for k, v in batch.items()}, cfg)
+            loss_sum, num_tokens = loss_sum + out.loss_sum, num_tokens + out.num_tokens
         return {"loss_sum": loss_sum, "num_tokens": num_tokens}
 
     return _compile(eval_step, compile, backend)
@@ -72,61 +79,102 @@ def make_train_step(
     *,
     clip_grad: float = 1.0,
     lr_schedule: Optional[Schedule] = None,
-    loss_fn: LossFn = lm_loss,
+    loss_fn: LossFn = lm_losses,
+    compute_dtype: torch.dtype = torch.float32,
+    loss_scale: Optional[LossScaleConfig] = None,
+    calculate_per_token_loss: bool = True,
     compile: bool = True,
     backend: Union[str, Callable] = "inductor",
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build ``step(state, batch) -> (state, metrics)``.
 
     batch: ``tokens``/``labels`` (and optional ``loss_mask``, ``position_ids``, ``doc_ids``) of
-        shape ``[M, B, S]`` with M microbatches. The loss is ``sum(loss * mask) / sum(mask)``
-        over the whole batch, whatever M is.
-    clip_grad: global-norm clip (Megatron's rule); 0 disables clipping.
+        shape ``[M, B, S]`` with M microbatches.
+    calculate_per_token_loss: True (default) divides the summed token losses of the whole batch
+        once by its token count, whatever M is (Megatron's ``--calculate-per-token-loss``);
+        False averages each microbatch's own per-token mean over the M microbatches (Megatron's
+        default). The two agree when every microbatch has the same number of loss tokens.
+    clip_grad: global-norm clip (Megatron's rule, after unscaling); 0 disables clipping.
     lr_schedule: reported as ``metrics["lr"]`` (the lr this update used) when given.
-    loss_fn: ``loss_fn(params, microbatch, cfg, dropout_seed) -> (loss_sum, num_tokens)``.
+    loss_fn: ``loss_fn(params, microbatch, cfg, dropout_seed, mtp_grad_scale,
+        calculate_per_token_loss) -> LossOutput`` (``lmfunc.loss.lm_losses``).
+    compute_dtype: forward/backward dtype; params, grads and optimizer state stay fp32.
+    loss_scale: loss scaling (static or dynamic); the state needs ``loss_scale`` from
+        ``TrainState.create(..., loss_scale=...)``. A step with non-finite gradients leaves the
+        params and optimizer state untouched and counts as skipped.
     compile/backend: compile the whole step with ``torch.compile(fullgraph=True)`` and this backend.
-    Metrics: ``loss`` (mean over tokens), ``grad_norm`` (before clipping), ``num_tokens``, ``lr``.
+    Metrics: ``loss`` (main next-token loss, per-token mean), ``grad_norm`` (before clipping),
+    ``num_tokens``, ``lr``; with loss scaling ``loss_scale`` (used by this step) and ``skipped``
+    (1.0 when skipped); with MTP ``mtp_<k>_loss`` (per-token mean of depth k = 1..D).
     """
     dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
 
-    def share_of_loss(params, micro: Batch, total_tokens: torch.Tensor, seed):
-        loss_sum, _ = loss_fn(params, micro, cfg, seed)
-        return loss_sum / total_tokens, loss_sum
+    def objective(params, micro: Batch, grad_scale: torch.Tensor, seed):
+        out = loss_fn(cast_params(params, compute_dtype), micro, cfg, seed, grad_scale, calculate_per_token_loss)
+        main = out.loss_sum if calculate_per_token_loss else out.loss_sum / torch.clamp(out.num_tokens, min=1.0)
+        return main * grad_scale, out
 
-    grad_fn = value_and_grad(share_of_loss, has_aux=True)
+    grad_fn = value_and_grad(objective, has_aux=True)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         check_batch(batch)
+        if loss_scale is not None and state.loss_scale is None:
+            raise ValueError("make_train_step(loss_scale=...) needs a state made with TrainState.create(..., loss_scale=...)")
         num_micro, micro_batch = batch["tokens"].shape[:2]
         if "loss_mask" in batch:
             num_tokens = batch["loss_mask"].to(torch.float32).sum()
         else:
             num_tokens = torch.tensor(float(batch["tokens"].numel()))
         denominator = torch.clamp(num_tokens, min=1.0)
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        normaliser = 1.0 / denominator if calculate_per_token_loss else torch.tensor(1.0 / num_micro)
+        scale = state.loss_scale.scale if loss_scale is not None else None
+        grad_scale = normaliser * scale if scale is not None else normaliser
+        loss_total = torch.zeros((), dtype=torch.float32)
+        mtp_sums = mtp_counts = torch.zeros(cfg.mtp_num_layers if cfg.mtp_num_layers else 0)
         grad_leaves, spec = None, None
         for i in range(num_micro):
             micro = {k: v[i] for k, v in batch.items()}
             seed = _microbatch_seed(state, i) if dropout else None
-            (_, micro_loss), grads = grad_fn(state.params, micro, denominator, seed)
+            (_, out), grads = grad_fn(state.params, micro, grad_scale, seed)
             leaves, spec = tree_flatten(grads)
             grad_leaves = leaves if grad_leaves is None else torch._foreach_add(grad_leaves, leaves)
-            loss_sum = loss_sum + micro_loss
+            micro_loss = out.loss_sum if calculate_per_token_loss else out.loss_sum / torch.clamp(out.num_tokens, min=1.0)
+            loss_total = loss_total + micro_loss
+            if cfg.mtp_num_layers:
+                mtp_sums, mtp_counts = mtp_sums + out.mtp_loss_sums, mtp_counts + out.mtp_num_tokens
+        found_inf = None
+        if scale is not None:
+            grad_leaves = torch._foreach_div(grad_leaves, scale)
+            found_inf = ~all_finite(grad_leaves)
         grads = tree_unflatten(grad_leaves, spec)
         if clip_grad > 0:
             grads, grad_norm = clip_by_global_norm_with_norm(grads, clip_grad)
         else:
             grad_norm = global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = apply_updates(state.params, updates)
+        new_loss_scale = state.loss_scale
+        metrics = {
+            "loss": loss_total * normaliser, "grad_norm": grad_norm, "num_tokens": num_tokens,
+        }
+        optimizer_steps = state.step
+        if found_inf is not None:
+            params = select_tree(found_inf, state.params, params)
+            opt_state = select_tree(found_inf, state.opt_state, opt_state)
+            new_loss_scale = update_loss_scale(state.loss_scale, found_inf, loss_scale)
+            metrics |= {"loss_scale": scale, "skipped": found_inf.to(torch.float32)}
+            optimizer_steps = state.step - state.loss_scale.skipped_steps
+        for k in range(cfg.mtp_num_layers):
+            metrics[f"mtp_{k + 1}_loss"] = mtp_sums[k] / torch.clamp(mtp_counts[k], min=1.0)
+        if lr_schedule is not None:
+            metrics["lr"] = lr_schedule(optimizer_steps)
         new_state = state.replace(
-            params=apply_updates(state.params, updates),
+            params=params,
             opt_state=opt_state,
             step=state.step + 1,
             consumed_samples=state.consumed_samples + num_micro * micro_batch,
+            loss_scale=new_loss_scale,
         )
-        metrics = {"loss": loss_sum / denominator, "grad_norm": grad_norm, "num_tokens": num_tokens}
-        if lr_schedule is not None:
-            metrics["lr"] = lr_schedule(state.step)
         return new_state, metrics
 
     return _compile(train_step, compile, backend)

@@ -1,0 +1,56 @@
+"""Multi-token prediction (DeepSeek-V3, Megatron's ``MultiTokenPredictionBlock``) as pure functions.
+
+Depth k = 1..D combines the normed previous hidden state ``h^{k-1}`` (``h^0`` is the decoder
+output after its final norm) with the normed embedding of the input shifted left by k, projects
+the concatenation ``[2h] -> [h]``, runs one transformer layer (same causal/document mask and RoPE
+tables as the main decoder) and normalises: ``h^k``. The shared output head turns ``h^k`` into
+logits that predict token ``t + k + 1``; ``lmfunc.loss`` rolls the labels and the mask to match.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lmfunc.config import ModelConfig
+from lmfunc.model import gpt, layers
+from lmfunc.model.recompute import checkpointed
+
+
+def roll_left(x: torch.Tensor) -> torch.Tensor:
+    """Shift ``x`` one position left along the last dim, filling the last position with 0
+    (Megatron's ``roll_tensor``: ``torch.roll(x, -1, -1)`` with the wrapped value zeroed)."""
+    return torch.cat([x[..., 1:], torch.zeros_like(x[..., :1])], dim=-1)
+
+
+def forward(
+    params: gpt.Params,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    cfg: ModelConfig,
+    positions: Optional[torch.Tensor] = None,
+    doc_ids: Optional[torch.Tensor] = None,
+    dropout_seed: Optional[torch.Tensor] = None,
+) -> list[torch.Tensor]:
+    """The MTP hidden states ``[h^1, ..., h^D]``, each ``[B, S, h]``, from the decoder output
+    ``hidden`` ``[B, S, h]`` and its input ``tokens`` ``[B, S]`` (positions/doc_ids as in
+    ``gpt.forward``)."""
+    seq = tokens.shape[1]
+    if positions is None:
+        positions = torch.arange(seq, device=tokens.device)
+    rope = gpt.rope_for(positions, cfg)
+    mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
+    run_block = checkpointed(gpt.block) if cfg.recompute_granularity == "full" else gpt.block
+    ids, pos, h = tokens, positions, hidden
+    outputs = []
+    for k in range(cfg.mtp_num_layers):
+        p = params["mtp"][str(k)]
+        ids, pos = roll_left(ids), roll_left(pos)
+        stream = 8 * (cfg.num_layers + k + 1)
+        e = layers.dropout(gpt.embed_tokens(params, ids, pos, cfg), cfg.hidden_dropout, dropout_seed, stream + 3)
+        x = torch.cat([layers.norm(p["enorm"], e, cfg), layers.norm(p["hnorm"], h, cfg)], dim=-1) @ p["eh_proj"]
+        x = run_block(p["layer"], x, cfg, rope, mask, dropout_seed, cfg.num_layers + k)
+        h = layers.norm(p["final_norm"], x, cfg)
+        outputs.append(h)
+    return outputs

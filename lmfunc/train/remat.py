@@ -1,0 +1,140 @@
+"""Activation recompute inside the one compiled train step: an Inductor graph pass.
+
+Under ``torch.compile`` the train step is a single forward-loss-backward graph (``autograd.grad``
+is traced into it), so AOTAutograd's partitioner never runs. Ops inside
+``lmfunc.model.recompute.checkpointed`` regions arrive tagged "recompute"; this pass copies them
+into each backward pass (one per microbatch) right before their first use there and lets dead-code elimination
+drop the stored forward copies, so only the region inputs stay alive between forward and backward.
+
+torch 2.13 ships a pass for this (``remat_using_tags_for_fwd_loss_bwd_graph``), but it accepts a
+single backward region — one microbatch — and refuses every op tagged ``nondeterministic_seeded``,
+which includes the CPU flash-attention kernel even at ``dropout_p = 0``. This pass handles one
+backward pass per microbatch and accepts attention kernels whose dropout is 0 (lmfunc's own
+dropout is a pure function of its seed, so recomputing it is exact). ``compile_step`` turns the
+built-in pass off for the step and installs this one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import cleanup_recompute_tags, must_recompute
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+
+def _dropout_p(node: fx.Node) -> float:
+    schema = node.target._schema
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == "dropout_p":
+            if index < len(node.args):
+                return float(node.args[index])
+            return float(node.kwargs.get("dropout_p", 0.0))
+    return 1.0
+
+
+def _check_randomness(nodes: list[fx.Node]) -> None:
+    for node in nodes:
+        tags = getattr(node.target, "tags", ())
+        if must_recompute(node) and torch.Tag.nondeterministic_seeded in tags and _dropout_p(node) != 0.0:
+            raise RuntimeError(
+                f"activation recompute: {node.target} draws from the global RNG inside a recomputed region, so its "
+                "recomputation would differ; use lmfunc's seeded dropout (layers.dropout) or "
+                "model.recompute_granularity none"
+            )
+
+
+def _backward_groups(nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """The nodes each ``torch.autograd.grad`` call produced, in graph order: the connected
+    components of the backward nodes (one per microbatch). Inductor's locality reordering may
+    interleave forward nodes with them, so position alone does not separate the microbatches."""
+    backward = [node for node in nodes if node.meta.get("autograd_backward", False)]
+    parent = {node: node for node in backward}
+
+    def root(node: fx.Node) -> fx.Node:
+        while parent[node] is not node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    def is_source(node: fx.Node) -> bool:
+        return not any(arg in parent for arg in node.all_input_nodes)
+
+    attached: set[fx.Node] = set()
+    for node in backward:
+        for arg in node.all_input_nodes:
+            if arg not in parent:
+                continue
+            if is_source(arg):
+                # A backward node made from forward values only (a seed, a constant, a transposed
+                # weight) may be shared by all microbatches after CSE: it joins its first user only.
+                if arg in attached:
+                    continue
+                attached.add(arg)
+            parent[root(arg)] = root(node)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in backward:
+        groups.setdefault(root(node), []).append(node)
+    return list(groups.values())
+
+
+def rematerialize(graph: fx.Graph) -> None:
+    """Recompute every "recompute"-tagged node in each backward group that uses it (in place)."""
+    nodes = list(graph.nodes)
+    if not any(must_recompute(node) for node in nodes):
+        return
+    cleanup_recompute_tags(graph.owning_module, is_default_partition=True)
+    _check_randomness(nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    for group in _backward_groups(nodes):
+        copies: dict[fx.Node, fx.Node] = {}
+
+        def needed(node: fx.Node) -> list[fx.Node]:
+            found: set[fx.Node] = set()
+            stack = list(node.all_input_nodes)
+            while stack:
+                dep = stack.pop()
+                if dep in found or dep in copies or not must_recompute(dep):
+                    continue
+                found.add(dep)
+                stack.extend(dep.all_input_nodes)
+            return sorted(found, key=order.__getitem__)
+
+        for node in group:
+            for dep in needed(node):
+                with graph.inserting_before(node):
+                    copy = graph.node_copy(dep, lambda arg: copies.get(arg, arg))
+                copy.meta["autograd_backward"] = True
+                copy.meta.pop("recompute", None)
+                copies[dep] = copy
+            for arg in node.all_input_nodes:
+                if arg in copies:
+                    node.replace_input_with(arg, copies[arg])
+    graph.eliminate_dead_code()
+
+
+class RematPass(CustomGraphPass):
+    """``rematerialize`` as an Inductor ``post_grad_custom_pre_pass``."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        rematerialize(graph)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor") -> Callable:
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass.
+
+    With the Inductor backend the pass runs on the step's graph; other backends get the graph
+    without it (recompute tags are then ignored: numerically the same, more memory).
+    """
+    options = {"post_grad_custom_pre_pass": RematPass()} if backend == "inductor" else None
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+
+    def run(*args, **kwargs):
+        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False):
+            return compiled(*args, **kwargs)
+
+    return run
