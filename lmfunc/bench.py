@@ -7,8 +7,9 @@ Variants (each run in its own process, alternated across repeats because this bo
   module-compiled  the same with ``torch.compile(model)`` and ``torch.compile(optimizer.step)``
 All variants start from the same weights and train on the same batch, so their first losses match.
 Reports tokens/s and ms/step (medians), MFU against a measured fp32 matmul peak, peak RSS of the
-worker process (compilation included) and compile time (first step minus a steady step, with a
-fresh Inductor cache, so it is a cold compile).
+worker process (compilation included), step memory (how far RSS rises above its resting level
+during the timed steps; exact with ``--memory-mode``) and compile time (first step minus a steady
+step, with a fresh Inductor cache, so it is a cold compile).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class BenchConfig:
     """Runs per variant; the variants are alternated and medians reported."""
     threads: int = 1
     """torch intra-op threads (OMP_NUM_THREADS)."""
+    recompute: str = "none"
+    """model.recompute_granularity of the func variants: none, selective or full."""
+    memory_mode: bool = False
+    """Run the workers with glibc's MALLOC_MMAP_THRESHOLD_=65536, so freed tensors go back to the OS
+    and RSS follows live tensor memory (the step-memory column is then exact; times are slower)."""
     variants: tuple[str, ...] = VARIANTS
     json_out: Optional[str] = None
     """Also write the results to this JSON file."""
@@ -59,7 +65,7 @@ def _model_config(bc: BenchConfig):
 
     return ModelConfig(
         vocab_size=bc.vocab, hidden_size=bc.hidden, num_layers=bc.layers, num_attention_heads=bc.heads,
-        max_position_embeddings=bc.seq,
+        max_position_embeddings=bc.seq, recompute_granularity=bc.recompute,
     )
 
 
@@ -160,11 +166,16 @@ def run_worker(bc: BenchConfig) -> dict:
         module_step = _module_step(cfg, params, compiled=bc.worker == "module-compiled")
         step = lambda: module_step(tokens, labels)  # noqa: E731
 
+    from lmfunc.metrics import memory_stats_mib
+
     start = time.perf_counter()
     first_loss = float(step())
     first = time.perf_counter() - start
     for _ in range(bc.warmup):
         step()
+    before = memory_stats_mib()
+    resting, peak_so_far = before["rss"], before["peak_rss"]
+    _reset_peak_rss()
     times = []
     for _ in range(bc.steps):
         start = time.perf_counter()
@@ -172,17 +183,30 @@ def run_worker(bc: BenchConfig) -> dict:
         float(loss)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
+    steps_peak = memory_stats_mib()["peak_rss"]
     return {
         "variant": bc.worker, "first_loss": first_loss, "step_s": median, "compile_s": max(first - median, 0.0),
+        "peak_rss_mib": max(peak_so_far, steps_peak), "step_memory_mib": steps_peak - resting,
     }
+
+
+def _reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS counter (VmHWM) of this process (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _spawn(bc: BenchConfig, variant: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(bc.threads))
+    if bc.memory_mode:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     with tempfile.TemporaryDirectory() as cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
         args = [sys.executable, "-m", "lmfunc.bench", "--worker", variant]
-        for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads"):
+        for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads", "recompute"):
             args += [f"--{field}", str(getattr(bc, field))]
         proc = subprocess.run(args, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -191,11 +215,10 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
 
 
 def main(bc: BenchConfig) -> None:
-    from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops, memory_stats_mib
+    from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops
 
     if bc.worker is not None:
         result = run_worker(bc)
-        result["peak_rss_mib"] = memory_stats_mib()["peak_rss"]
         print(json.dumps(result))
         return
     unknown = [v for v in bc.variants if v not in VARIANTS]
@@ -206,7 +229,8 @@ def main(bc: BenchConfig) -> None:
     peak = measure_matmul_peak_flops(threads=bc.threads)
     tokens = bc.batch * bc.seq
     print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
-          f"batch={bc.batch} fp32, {tokens} tokens/step, threads={bc.threads}")
+          f"batch={bc.batch} fp32, {tokens} tokens/step, threads={bc.threads}, recompute={bc.recompute}"
+          + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else ""))
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
     runs: dict[str, list[dict]] = {v: [] for v in bc.variants}
     for r in range(bc.repeats):
@@ -215,7 +239,8 @@ def main(bc: BenchConfig) -> None:
             runs[variant].append(_spawn(bc, variant))
             last = runs[variant][-1]
             print(f"  repeat {r + 1} {variant:16s} {last['step_s'] * 1e3:9.1f} ms/step  compile {last['compile_s']:6.1f} s", flush=True)
-    header = f"{'variant':16s} {'tokens/s':>9s} {'ms/step':>9s} {'MFU':>6s} {'peak RSS':>9s} {'compile':>8s} {'loss0':>8s}"
+    header = (f"{'variant':16s} {'tokens/s':>9s} {'ms/step':>9s} {'MFU':>6s} {'peak RSS':>9s} {'step mem':>9s} "
+              f"{'compile':>8s} {'loss0':>8s}")
     print(header)
     summary = {}
     for variant, results in runs.items():
@@ -225,12 +250,13 @@ def main(bc: BenchConfig) -> None:
             "ms_per_step": step_s * 1e3,
             "mfu": tokens / step_s * flops_per_token(cfg, bc.seq) / peak,
             "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in results),
+            "step_memory_mib": statistics.median(r["step_memory_mib"] for r in results),
             "compile_s": statistics.median(r["compile_s"] for r in results),
             "first_loss": results[0]["first_loss"],
         }
         summary[variant] = row
         print(f"{variant:16s} {row['tokens_per_s']:9.0f} {row['ms_per_step']:9.1f} {row['mfu']:6.1%} "
-              f"{row['peak_rss_mib']:8.0f}M {row['compile_s']:7.1f}s {row['first_loss']:8.4f}")
+              f"{row['peak_rss_mib']:8.0f}M {row['step_memory_mib']:8.0f}M {row['compile_s']:7.1f}s {row['first_loss']:8.4f}")
     if bc.json_out:
         with open(bc.json_out, "w") as f:
             json.dump({"config": dataclasses.asdict(bc), "peak_flops": peak, "results": summary}, f, indent=2)

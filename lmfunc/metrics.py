@@ -17,17 +17,21 @@ from lmfunc.config import ModelConfig
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> int:
     """Training FLOPs per token of a dense GPT (forward + backward), Megatron's formula.
 
-    ``6 h f c L + 6 (h (q + 2 d g) + q h) L + 6 h V + 6 q s L`` with q = a d, c = 3 for SwiGLU
-    (gate, up, down) or 2 for GeLU. ``V`` is the embedding rows (the padded vocabulary).
+    ``6 h f c L' + 6 (h (q + 2 d g) + q h) L' + 6 D (3 h + 2 h^2) + 6 h V (D + 1) + 6 q s L'`` with
+    q = a d, c = 3 for SwiGLU (gate, up, down) or 2 for GeLU, D MTP depths and L' = L + D (each
+    depth is one more layer, its eh_proj and norms, and one more pass through the output head).
+    ``V`` is the embedding rows (the padded vocabulary).
     """
-    h, layers, d = cfg.hidden_size, cfg.num_layers, cfg.head_dim
+    h, d, depths = cfg.hidden_size, cfg.head_dim, cfg.mtp_num_layers
+    layers = cfg.num_layers + depths
     q = cfg.num_attention_heads * d
     mlp_matrices = 3 if cfg.activation == "swiglu" else 2
     mlp = 6 * h * cfg.ffn_size * mlp_matrices * layers
     attention_linear = 6 * (h * (q + 2 * d * cfg.query_groups) + q * h) * layers
     attention_core = 6 * q * seq_length * layers
-    logits = 6 * h * cfg.vocab_size
-    return mlp + attention_linear + attention_core + logits
+    logits = 6 * h * cfg.vocab_size * (depths + 1)
+    mtp_projection = 6 * depths * (3 * h + 2 * h * h)
+    return mlp + attention_linear + attention_core + logits + mtp_projection
 
 
 def mfu(tokens_per_second: float, cfg: ModelConfig, seq_length: int, peak_flops: float) -> float:

@@ -27,6 +27,16 @@ def test_swiglu_and_gqa_terms():
     assert flops_per_token(base, 8) - flops_per_token(gqa, 8) == 6 * 64 * 2 * 16 * 3
 
 
+def test_mtp_depths_add_a_layer_a_projection_and_a_head_pass_each():
+    cfg = ModelConfig(
+        vocab_size=384, hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=256,
+        normalization="LayerNorm", activation="gelu", max_position_embeddings=128,
+    )
+    layer = (835_584 - 6 * 64 * 384) // 2  # per-layer share of the worked example (attention core included)
+    with_mtp = dataclasses.replace(cfg, mtp_num_layers=2)
+    assert flops_per_token(with_mtp, 128) == 835_584 + 2 * (layer + 6 * 64 * 384 + 6 * (3 * 64 + 2 * 64 * 64))
+
+
 def test_bench_baseline_is_the_same_model():
     """The nn.Module baseline must start from the same weights and loss as the functional step."""
     small = dict(layers=1, heads=2, hidden=32, seq=16, vocab=64, batch=2, steps=1, warmup=0)

@@ -82,6 +82,24 @@ def test_sample_based_run_with_rampup_and_eager_steps(tiny_yaml, tmp_path):
     assert not os.path.exists(tmp_path / "runs" / "ramp" / "model.safetensors")
 
 
+def test_fp16_mtp_recompute_and_param_groups_from_the_command_line(tiny_yaml, tmp_path):
+    argv = ["--config", tiny_yaml, "--run.name", "numerics", "--run.no-compile", "--precision.compute-dtype", "fp16",
+            "--precision.initial-loss-scale", "65536", "--precision.loss-scale-window", "10",
+            "--model.mtp-num-layers", "2", "--model.recompute-granularity", "full", "--optim.decoupled-lr", "1e-2",
+            "--optim.scale-lr-patterns", "*.mlp.*", "--optim.lr-mult", "0.5", "--run.no-calculate-per-token-loss",
+            "--run.sample-tokens", "0"]
+    cfg = parse_args(argv)
+    assert cfg.precision.loss_scaling().growth_interval == 10 and cfg.optim.scale_lr_patterns == ("*.mlp.*",)
+    train_main(argv)
+    records = read_log(str(tmp_path / "runs" / "numerics" / "log.jsonl"))
+    train = [r for r in records if r["kind"] == "train"]
+    assert {"mtp_1_loss", "mtp_2_loss", "loss_scale", "skipped_steps"} <= set(train[-1])
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert train[-1]["mtp_2_loss"] < train[0]["mtp_2_loss"]
+    assert train[-1]["loss_scale"] >= 65536  # clean steps grow the scale every 10 steps
+    assert train[-1]["skipped_steps"] < 5
+
+
 def test_exit_duration_stops_early(tiny_yaml, tmp_path):
     train_main(["--config", tiny_yaml, "--run.name", "short", "--run.no-compile", "--run.exit-duration-in-mins",
                 "1e-6", "--run.eval-iters", "0", "--run.sample-tokens", "0"])
