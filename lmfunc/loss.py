@@ -18,6 +18,7 @@ from lmfunc.config import ModelConfig
 from lmfunc.model import mtp
 from lmfunc.model.aux_loss import attach_aux_loss
 from lmfunc.model.layers import upcast
+from lmfunc.parallel.placement import vocab_parallel
 
 
 def masked_cross_entropy(
@@ -28,7 +29,8 @@ def masked_cross_entropy(
     Returns ``(sum over tokens of mask * loss, sum of mask)`` as scalars; the mean is their
     ratio. Without a mask every token counts. Logits are upcast to at least fp32 first.
     """
-    per_token = F.cross_entropy(upcast(logits).flatten(0, -2), labels.flatten(), reduction="none")
+    with vocab_parallel(logits):
+        per_token = F.cross_entropy(upcast(logits).flatten(0, -2), labels.flatten(), reduction="none")
     if loss_mask is None:
         count = torch.tensor(float(per_token.numel()), dtype=per_token.dtype, device=per_token.device)
         return per_token.sum(), count

@@ -63,6 +63,9 @@ class ModelConfig:
     """Dropout on the embedding output and on each block's residual branches."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities."""
+    sequence_parallel: bool = False
+    """With tensor parallelism, keep the residual stream split along the sequence over tp (Megatron's
+    --sequence-parallel): norms and dropout run on 1/tp of the tokens."""
     mtp_num_layers: int = 0
     """Multi-token prediction depths D (DeepSeek-V3 / Megatron); depth k also predicts token t+k+1."""
     mtp_loss_scaling_factor: float = 0.1

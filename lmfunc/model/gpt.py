@@ -22,10 +22,12 @@ import zlib
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from lmfunc.config import ModelConfig
 from lmfunc.model import layers
 from lmfunc.model.recompute import checkpointed
+from lmfunc.parallel.placement import compute_layout, embedding_lookup, gather, residual_layout
 from lmfunc.tree import Axes, tree_map, tree_map_with_path
 
 Params = dict
@@ -170,19 +172,21 @@ def block(
     dropout_seed: Optional[torch.Tensor] = None, layer_index: int = 0,
 ) -> torch.Tensor:
     """One pre-norm transformer block ``[B, S, h] -> [B, S, h]``."""
-    stream = 8 * (layer_index + 1)
-    attn_out = layers.attention(p["attn"], layers.norm(p["attn_norm"], x, cfg), cfg, rope, mask, dropout_seed, stream)
+    stream, sp = 8 * (layer_index + 1), cfg.sequence_parallel
+    h = compute_layout(layers.norm(p["attn_norm"], x, cfg))
+    attn_out = residual_layout(layers.attention(p["attn"], h, cfg, rope, mask, dropout_seed, stream), sp)
     x = x + layers.dropout(attn_out, cfg.hidden_dropout, dropout_seed, stream + 1)
-    mlp_out = layers.mlp(p["mlp"], layers.norm(p["mlp_norm"], x, cfg), cfg)
+    h = compute_layout(layers.norm(p["mlp_norm"], x, cfg))
+    mlp_out = residual_layout(layers.mlp(p["mlp"], h, cfg), sp)
     return x + layers.dropout(mlp_out, cfg.hidden_dropout, dropout_seed, stream + 2)
 
 
 def embed_tokens(params: Params, tokens: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Token embeddings ``[B, S, h]``, plus learned position embeddings when the model has them."""
-    x = params["embed"]["tokens"][tokens]
+    x = embedding_lookup(tokens, gather(params["embed"]["tokens"]))
     if cfg.position_embedding_type == "rope":
         return x
-    return x + params["embed"]["positions"][positions]
+    return x + F.embedding(positions, gather(params["embed"]["positions"]))
 
 
 def rope_for(positions: torch.Tensor, cfg: ModelConfig) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -219,17 +223,17 @@ def forward(
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)
     x, rope = embed(params, tokens, positions, cfg)
-    x = layers.dropout(x, cfg.hidden_dropout, dropout_seed, 1)
+    x = layers.dropout(residual_layout(x, cfg.sequence_parallel), cfg.hidden_dropout, dropout_seed, 1)
     mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
     run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
     for i in range(cfg.num_layers):
         x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
-    return layers.norm(params["final_norm"], x, cfg)
+    return compute_layout(layers.norm(params["final_norm"], x, cfg))
 
 
 def output_weight(params: Params, cfg: ModelConfig) -> torch.Tensor:
     """The ``[h, V]`` output projection (the transposed token embedding when tied)."""
-    return params["embed"]["tokens"].t() if cfg.tie_embeddings else params["output"]
+    return gather(params["embed"]["tokens"]).t() if cfg.tie_embeddings else gather(params["output"])
 
 
 def logits(params: Params, hidden: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lmfunc.config import ModelConfig
 from lmfunc.model.recompute import checkpointed
+from lmfunc.parallel.placement import gather, run_local
 
 Params = dict
 
@@ -28,8 +29,8 @@ def norm(p: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     xf = upcast(x)
     if cfg.normalization == "RMSNorm":
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.norm_epsilon)
-        return (y * upcast(p["scale"])).to(x.dtype)
-    y = F.layer_norm(xf, xf.shape[-1:], upcast(p["scale"]), upcast(p["bias"]), cfg.norm_epsilon)
+        return (y * upcast(gather(p["scale"]))).to(x.dtype)
+    y = F.layer_norm(xf, xf.shape[-1:], upcast(gather(p["scale"])), upcast(gather(p["bias"])), cfg.norm_epsilon)
     return y.to(x.dtype)
 
 
@@ -124,8 +125,10 @@ def _attention_core(
         return (probs.to(v.dtype) @ v)
     enable_gqa = q.shape[1] != k.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+        return run_local(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa),
+                         q, k, v)
+    return run_local(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=enable_gqa),
+                     q, k, v, mask)
 
 
 def project_qkv(
@@ -134,9 +137,9 @@ def project_qkv(
     """Queries ``[B, S, a, d]`` and keys/values ``[B, S, g, d]`` of ``x`` ``[B, S, h]`` (QK-norm and RoPE applied)."""
     batch, seq, _ = x.shape
     d, heads, groups = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
-    q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+    q, k, v = x @ gather(p["wq"]), x @ gather(p["wk"]), x @ gather(p["wv"])
     if cfg.add_bias_linear:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q, k, v = q + gather(p["bq"]), k + gather(p["bk"]), v + gather(p["bv"])
     q = q.view(batch, seq, heads, d)
     k = k.view(batch, seq, groups, d)
     v = v.view(batch, seq, groups, d)
@@ -150,8 +153,8 @@ def project_qkv(
 def project_out(p: Params, heads_out: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The output projection of attention heads ``[B, a, S, d]`` -> ``[B, S, h]``."""
     batch, _, seq, _ = heads_out.shape
-    out = heads_out.transpose(1, 2).reshape(batch, seq, -1) @ p["wo"]
-    return out + p["bo"] if cfg.add_bias_linear else out
+    out = heads_out.transpose(1, 2).reshape(batch, seq, -1) @ gather(p["wo"])
+    return out + gather(p["bo"]) if cfg.add_bias_linear else out
 
 
 def attention(
@@ -172,14 +175,14 @@ def attention(
 def mlp(p: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """SwiGLU ``(silu(x Wg) * x Wu) Wd`` or GeLU ``gelu(x W1) W2``: ``[B, S, h] -> [B, S, h]``."""
     if cfg.activation == "swiglu":
-        gate, up = x @ p["w_gate"], x @ p["w_up"]
+        gate, up = x @ gather(p["w_gate"]), x @ gather(p["w_up"])
         if cfg.add_bias_linear:
-            gate, up = gate + p["b_gate"], up + p["b_up"]
+            gate, up = gate + gather(p["b_gate"]), up + gather(p["b_up"])
         hidden = F.silu(gate) * up
     else:
-        hidden = x @ p["w_in"]
+        hidden = x @ gather(p["w_in"])
         if cfg.add_bias_linear:
-            hidden = hidden + p["b_in"]
+            hidden = hidden + gather(p["b_in"])
         hidden = F.gelu(hidden)
-    out = hidden @ p["w_out"]
-    return out + p["b_out"] if cfg.add_bias_linear else out
+    out = hidden @ gather(p["w_out"])
+    return out + gather(p["b_out"]) if cfg.add_bias_linear else out

@@ -16,6 +16,7 @@ import torch
 from lmfunc.config import ModelConfig
 from lmfunc.model import gpt, layers
 from lmfunc.model.recompute import checkpointed
+from lmfunc.parallel.placement import compute_layout, gather, residual_layout
 
 
 def roll_left(x: torch.Tensor) -> torch.Tensor:
@@ -48,9 +49,12 @@ def forward(
         p = params["mtp"][str(k)]
         ids, pos = roll_left(ids), roll_left(pos)
         stream = 8 * (cfg.num_layers + k + 1)
-        e = layers.dropout(gpt.embed_tokens(params, ids, pos, cfg), cfg.hidden_dropout, dropout_seed, stream + 3)
-        x = torch.cat([layers.norm(p["enorm"], e, cfg), layers.norm(p["hnorm"], h, cfg)], dim=-1) @ p["eh_proj"]
+        sp = cfg.sequence_parallel
+        e = residual_layout(gpt.embed_tokens(params, ids, pos, cfg), sp)
+        e = layers.dropout(e, cfg.hidden_dropout, dropout_seed, stream + 3)
+        both = [layers.norm(p["enorm"], e, cfg), layers.norm(p["hnorm"], residual_layout(h, sp), cfg)]
+        x = torch.cat(both, dim=-1) @ gather(p["eh_proj"])
         x = run_block(p["layer"], x, cfg, rope, mask, dropout_seed, cfg.num_layers + k)
-        h = layers.norm(p["final_norm"], x, cfg)
+        h = compute_layout(layers.norm(p["final_norm"], x, cfg))
         outputs.append(h)
     return outputs

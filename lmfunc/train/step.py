@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional, Union
 
+import contextlib
+
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config import ModelConfig
 from lmfunc.grad import value_and_grad
@@ -21,7 +25,8 @@ from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tree, update_loss_scale
 from lmfunc.train.remat import compile_step
 from lmfunc.train.state import TrainState
-from lmfunc.tree import tree_flatten, tree_unflatten
+from lmfunc.parallel.sharding import match_placements
+from lmfunc.tree import tree_flatten, tree_leaves, tree_unflatten
 
 Batch = Mapping[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
@@ -50,8 +55,25 @@ def _microbatch_seed(state: TrainState, index: int) -> torch.Tensor:
     return state.rng * 1_000_003 + state.step * 4096 + index
 
 
+def distributed_context(params) -> contextlib.AbstractContextManager:
+    """With DTensor parameters, plain tensors made inside the step (RoPE tables, masks, constants)
+    count as replicated on the mesh (``implicit_replication``); otherwise nothing."""
+    if any(isinstance(leaf, DTensor) for leaf in tree_leaves(params)):
+        return implicit_replication()
+    return contextlib.nullcontext()
+
+
 def _compile(fn: Callable, compile: bool, backend: Union[str, Callable]) -> Callable:
-    return compile_step(fn, backend) if compile else fn
+    """``fn`` (compiled when asked), called inside ``distributed_context`` of its first argument's
+    params (the context is entered outside the compiled region: Dynamo cannot trace it)."""
+    inner = compile_step(fn, backend) if compile else fn
+
+    def run(state_or_params, batch):
+        params = state_or_params.params if isinstance(state_or_params, TrainState) else state_or_params
+        with distributed_context(params):
+            return inner(state_or_params, batch)
+
+    return run
 
 
 def make_eval_step(
@@ -146,7 +168,7 @@ def make_train_step(
         if scale is not None:
             grad_leaves = torch._foreach_div(grad_leaves, scale)
             found_inf = ~all_finite(grad_leaves)
-        grads = tree_unflatten(grad_leaves, spec)
+        grads = match_placements(tree_unflatten(grad_leaves, spec), state.params)
         if clip_grad > 0:
             grads, grad_norm = clip_by_global_norm_with_norm(grads, clip_grad)
         else:

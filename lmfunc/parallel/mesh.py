@@ -1,0 +1,105 @@
+"""``build_mesh``: a named ``DeviceMesh`` in Megatron's rank order.
+
+Megatron orders ranks with tensor parallelism fastest, then context, expert, data and pipeline
+parallelism. The mesh here has the dims ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first), so
+consecutive ranks differ in ``tp`` first. Only dims larger than 1 are created; a run whose sizes are
+all 1 has no mesh and runs on plain tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lmfunc.config import ConfigError, ModelConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dim names, outermost first (Megatron's order read backwards: tp is the fastest)."""
+from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
+
+
+def resolve_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Replace one ``-1`` size by ``world_size / product(other sizes)``; check the product.
+
+    ``sizes`` maps the names of ``MESH_DIMS`` to sizes. Errors name the sizes and the world size.
+    """
+    wild = [name for name, size in sizes.items() if size == -1]
+    if len(wild) > 1:
+        raise ConfigError(f"only one parallel size may be -1 ('the rest'), got -1 for {', '.join('parallel.' + n for n in wild)}")
+    for name, size in sizes.items():
+        if size != -1 and (not isinstance(size, int) or size < 1):
+            raise ConfigError(f"parallel.{name} must be a positive integer or -1, got {size!r}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    resolved = dict(sizes)
+    if wild:
+        if world_size % known:
+            raise ConfigError(f"world size {world_size} is not divisible by the product of the other parallel sizes "
+                              f"({known}), so parallel.{wild[0]} = -1 cannot fill it")
+        resolved[wild[0]] = world_size // known
+    product = math.prod(resolved.values())
+    if product != world_size:
+        layout = " x ".join(f"{name} {size}" for name, size in resolved.items() if size > 1) or "all sizes 1"
+        raise ConfigError(f"the parallel sizes ({layout} = {product}) do not multiply to the world size {world_size}; "
+                          f"launch {product} processes (torchrun --nproc-per-node {product}) or change the sizes")
+    return resolved
+
+
+def check_divisibility(sizes: dict[str, int], model: ModelConfig, seq_length: Optional[int] = None) -> None:
+    """Reject layouts the model cannot be split by, naming the numbers."""
+    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+    checks = [
+        ("model.num_attention_heads", model.num_attention_heads, "parallel.tp", tp),
+        ("model.num_query_groups", model.query_groups, "parallel.tp", tp),
+        ("model.vocab_size", model.vocab_size, "parallel.tp", tp),
+        ("model.ffn_hidden_size", model.ffn_size, "parallel.tp", tp),
+    ]
+    if seq_length is not None:
+        checks.append(("data.seq_length", seq_length, "parallel.tp x parallel.cp", tp * cp))
+    for name, value, by_name, by in checks:
+        if by > 1 and value % by:
+            raise ConfigError(f"{name} ({value}) is not divisible by {by_name} ({by}); choose sizes that divide it")
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo on CPU, nccl on CUDA."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The resolved mesh sizes of a run and its mesh (None on a single process)."""
+
+    sizes: dict
+    mesh: Optional[DeviceMesh]
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+
+    def dims(self) -> tuple[str, ...]:
+        return tuple(self.mesh.mesh_dim_names) if self.mesh is not None else ()
+
+
+def build_mesh(sizes: dict[str, int], device: str | torch.device = "cpu") -> Layout:
+    """Create the process group (from torchrun's environment) and the named mesh of ``sizes``.
+
+    With every size 1 and no launcher, no process group is created and ``Layout.mesh`` is None.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    resolved = resolve_sizes({name: sizes.get(name, 1) for name in MESH_DIMS}, world)
+    used = [(name, size) for name, size in resolved.items() if size > 1]
+    if not used:
+        return Layout(resolved, None)
+    device = torch.device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device))
+    mesh = init_device_mesh(device.type, tuple(size for _, size in used), mesh_dim_names=tuple(name for name, _ in used))
+    return Layout(resolved, mesh)

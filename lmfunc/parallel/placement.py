@@ -1,0 +1,107 @@
+"""What the model itself needs to know about layouts (no model imports, so layers can use it).
+
+``gather(p)``: a parameter in its compute layout (FSDP shards all-gathered over the data-parallel
+dims; tensor-parallel shards kept). ``run_local(fn, ...)``: run a kernel that has no DTensor
+sharding rule (CPU attention) on each rank's local shards; every input must be split only along
+dims the kernel treats independently (batch, heads), so the local gradients are already the
+right shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.experimental import local_map
+
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+
+
+def compute_placements(placements: Sequence[Placement], mesh) -> list[Placement]:
+    """``placements`` with the data-parallel dims replicated: what a layer computes with."""
+    return [Replicate() if name in DATA_PARALLEL_DIMS else p for name, p in zip(mesh.mesh_dim_names, placements)]
+
+
+def gather(p: torch.Tensor) -> torch.Tensor:
+    """A parameter in its compute layout: FSDP shards all-gathered; plain tensors unchanged."""
+    if not isinstance(p, DTensor):
+        return p
+    want = compute_placements(p.placements, p.device_mesh)
+    return p if list(p.placements) == want else p.redistribute(p.device_mesh, want)
+
+
+def run_local(fn: Callable[..., torch.Tensor], *args):
+    """``fn(*args)``; when the first argument is a DTensor, on the local shards of every tensor
+    argument (``local_map``), the output taking the first argument's placements."""
+    first = args[0]
+    if not isinstance(first, DTensor):
+        return fn(*args)
+    in_placements = tuple(list(a.placements) if isinstance(a, DTensor) else None for a in args)
+    mapped = local_map(fn, out_placements=list(first.placements), in_placements=in_placements,
+                       device_mesh=first.device_mesh)
+    return mapped(*args)
+
+
+def _tp_placement(x: DTensor, tp: Placement) -> list[Placement]:
+    return [tp if name == "tp" else p for name, p in zip(x.device_mesh.mesh_dim_names, x.placements)]
+
+
+def residual_layout(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """Activations ``[B, S, h]`` in the residual stream's layout: replicated over ``tp``, or split
+    along the sequence with sequence parallelism. A ``Partial`` sum from a row-parallel projection
+    becomes an all-reduce (or, with SP, a reduce-scatter); plain tensors pass through."""
+    if not isinstance(x, DTensor) or "tp" not in x.device_mesh.mesh_dim_names:
+        return x
+    want = _tp_placement(x, Shard(1) if sequence_parallel else Replicate())
+    return x if list(x.placements) == want else x.redistribute(x.device_mesh, want)
+
+
+def compute_layout(x: torch.Tensor) -> torch.Tensor:
+    """Activations replicated over ``tp`` for a column-parallel projection (with SP: an all-gather
+    of the sequence)."""
+    if not isinstance(x, DTensor) or "tp" not in x.device_mesh.mesh_dim_names:
+        return x
+    want = _tp_placement(x, Replicate())
+    return x if list(x.placements) == want else x.redistribute(x.device_mesh, want)
+
+
+def embedding_lookup(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``table[tokens]``; a table split over ``tp`` along the vocabulary is looked up Megatron's way
+    (``VocabParallelEmbedding``: each rank looks up the ids it holds, zeros elsewhere, and the
+    result is a ``Partial`` sum over ``tp``). Its gradient is declared ``Partial`` over the
+    data-parallel dims, where each rank saw only its slice of the batch."""
+    if not (isinstance(table, DTensor) and "tp" in table.device_mesh.mesh_dim_names):
+        return torch.nn.functional.embedding(tokens, table)
+    mesh = table.device_mesh
+    names = list(mesh.mesh_dim_names)
+    if table.placements[names.index("tp")] != Shard(0):
+        return torch.nn.functional.embedding(tokens, table)
+
+    def lookup(tok: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = weight.shape[0]
+        start = mesh.get_local_rank("tp") * rows
+        held = (tok >= start) & (tok < start + rows)
+        out = torch.nn.functional.embedding(torch.where(held, tok - start, torch.zeros_like(tok)), weight)
+        return out * held.unsqueeze(-1).to(out.dtype)
+
+    token_placements = list(tokens.placements)
+    out_placements = [Partial() if name == "tp" else p for name, p in zip(names, token_placements)]
+    grad_placements = [Partial() if isinstance(tp, Shard) else p
+                       for tp, p in zip(token_placements, table.placements)]
+    mapped = local_map(lookup, out_placements=out_placements, in_placements=(token_placements, list(table.placements)),
+                       in_grad_placements=(token_placements, grad_placements), device_mesh=mesh)
+    return mapped(tokens, table)
+
+
+def vocab_parallel(logits: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``loss_parallel()`` when ``logits`` are split over ``tp`` along the vocabulary (cross entropy
+    without gathering the full-vocabulary logits), else nothing."""
+    if isinstance(logits, DTensor) and "tp" in logits.device_mesh.mesh_dim_names:
+        tp = logits.placements[list(logits.device_mesh.mesh_dim_names).index("tp")]
+        if isinstance(tp, Shard) and tp.dim in (-1, logits.dim() - 1):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+    return contextlib.nullcontext()

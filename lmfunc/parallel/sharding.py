@@ -1,0 +1,101 @@
+"""Sharding as data: logical axis names -> mesh dims (MaxText's logical axis rules).
+
+Every parameter leaf carries logical axis names (``model.param_axes``: ``("embed", "heads")``,
+``("vocab", "embed")`` ...). A rules table maps names to mesh dims, in order; a leaf's placement on
+each mesh dim is ``Shard(i)`` for the first of its axes ``i`` whose rule names that dim, else
+``Replicate()``. Storage placements shard over the data-parallel dims too (FSDP, which with the
+optimizer state sharded alike is also Megatron's distributed optimizer); ``gather`` redistributes a
+parameter to its compute placements (data-parallel dims replicated) right where the layer uses it,
+and autograd turns that all-gather into a reduce-scatter of the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from lmfunc.config import ModelConfig
+from lmfunc.model import gpt
+from lmfunc.parallel.mesh import DATA_PARALLEL_DIMS
+from lmfunc.parallel.placement import compute_placements, gather  # noqa: F401  (re-exported)
+from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path
+
+Rules = Sequence[tuple[str, Sequence[str]]]
+
+FSDP_RULES: Rules = (("embed", ("dp_shard",)), ("mtp_concat", ("dp_shard",)))
+"""Parameters sharded over ``dp_shard`` along their hidden-size axis."""
+TP_RULES: Rules = (("heads", ("tp",)), ("kv_heads", ("tp",)), ("mlp", ("tp",)), ("vocab", ("tp",)))
+"""Megatron's tensor parallelism: attention heads, MLP width and vocabulary split over ``tp``."""
+DEFAULT_RULES: Rules = TP_RULES + FSDP_RULES
+
+
+def placements_for(axes: Sequence[str], mesh: DeviceMesh, rules: Rules = DEFAULT_RULES) -> list[Placement]:
+    """Storage placements of a leaf with logical ``axes`` on ``mesh`` (one per mesh dim)."""
+    names = tuple(mesh.mesh_dim_names)
+    placements: list[Placement] = [Replicate()] * len(names)
+    used_axes: set[int] = set()
+    for logical, mesh_dims in rules:
+        for mesh_dim in mesh_dims:
+            if mesh_dim not in names or not isinstance(placements[names.index(mesh_dim)], Replicate):
+                continue
+            for i, axis in enumerate(axes):
+                if axis == logical and i not in used_axes:
+                    placements[names.index(mesh_dim)] = Shard(i)
+                    used_axes.add(i)
+                    break
+    return placements
+
+
+def shard_params(params: PyTree, cfg: ModelConfig, mesh: DeviceMesh, rules: Rules = DEFAULT_RULES) -> PyTree:
+    """Distribute full ``params`` (equal on every rank) onto ``mesh`` by the rules: DTensor leaves."""
+    axes = dict(flatten_with_paths(gpt.param_axes(cfg)))
+
+    def place(path: str, leaf: torch.Tensor) -> DTensor:
+        return distribute_tensor(leaf, mesh, placements_for(axes[path], mesh, rules))
+
+    return tree_map_with_path(place, params)
+
+
+def init_sharded(cfg: ModelConfig, mesh: DeviceMesh, seed: int = 0, rules: Rules = DEFAULT_RULES,
+                 dtype: torch.dtype = torch.float32) -> PyTree:
+    """``model.init`` directly into shards, one leaf at a time: each leaf is drawn from its own
+    (seed, name) generator, so the result equals ``shard_params(model.init(cfg, seed))`` on any mesh,
+    and no rank holds more than one full leaf at once."""
+    specs = gpt.param_specs(cfg)
+
+    def make(path: str, spec: gpt.LeafSpec) -> DTensor:
+        full = gpt.init_leaf(spec, path, cfg, seed, dtype)
+        return distribute_tensor(full, mesh, placements_for(spec.axes, mesh, rules))
+
+    return tree_map_with_path(make, specs, is_leaf=lambda x: isinstance(x, gpt.LeafSpec))
+
+
+def batch_placements(mesh: DeviceMesh) -> list[Placement]:
+    """A batch ``[B, ...]`` split over the data-parallel dims, replicated over the others."""
+    return [Shard(0) if name in DATA_PARALLEL_DIMS else Replicate() for name in mesh.mesh_dim_names]
+
+
+def local_batch_to_dtensor(batch: dict, mesh: DeviceMesh, batch_dim: int = 1) -> dict:
+    """This rank's slice of a batch (``[M, B_local, S]`` tensors) as DTensors of the global batch."""
+    placements = [Shard(batch_dim) if name in DATA_PARALLEL_DIMS else Replicate() for name in mesh.mesh_dim_names]
+    return {k: DTensor.from_local(v, mesh, placements, run_check=False) for k, v in batch.items()}
+
+
+def match_placements(grads: PyTree, params: PyTree) -> PyTree:
+    """Redistribute each gradient to its parameter's placements (resolves ``Partial`` sums: the
+    data-parallel all-reduce of replicated parameters), so optimizer state keeps its layout."""
+
+    def match(g: Optional[torch.Tensor], p: torch.Tensor):
+        if isinstance(g, DTensor) and list(g.placements) != list(p.placements):
+            return g.redistribute(p.device_mesh, p.placements)
+        return g
+
+    return tree_map(match, grads, params)
+
+
+def full_tensors(tree: PyTree) -> PyTree:
+    """Every DTensor leaf gathered to a full plain tensor (a collective: call on every rank)."""
+    return tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree)
