@@ -56,6 +56,11 @@ class BenchConfig:
     variants: tuple[str, ...] = VARIANTS
     json_out: Optional[str] = None
     """Also write the results to this JSON file."""
+    comm: Optional[str] = None
+    """Instead of timing: count the collectives of one microbatch on this layout ('dp_shard=2',
+    'tp=2', 'dp_shard=2,tp=2'; launch with torchrun) next to the expected numbers."""
+    sequence_parallel: bool = False
+    """With --comm and tp: sequence parallelism."""
     worker: Optional[str] = None
     """Internal: run one variant in this process and print its measurements as JSON."""
 
@@ -199,6 +204,44 @@ def _reset_peak_rss() -> None:
         pass
 
 
+def run_comm_report(bc: BenchConfig) -> None:
+    """``--comm``: the comm report of the benchmark model on ``bc.comm``'s mesh (rank 0 prints)."""
+    import dataclasses as dc
+
+    import torch
+    import torch.distributed as dist
+
+    from lmfunc.parallel.comm import expected_counts, format_report, measure_counts
+    from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
+    from lmfunc.parallel.sharding import init_sharded, local_batch_to_dtensor
+
+    try:
+        sizes = {name: int(size) for name, size in (item.split("=") for item in bc.comm.split(","))}
+    except ValueError:
+        raise SystemExit(f"--comm {bc.comm!r}: write the layout as NAME=SIZE[,NAME=SIZE], e.g. dp_shard=2,tp=2")
+    layout = build_mesh(sizes)
+    if layout.mesh is None:
+        raise SystemExit("--comm needs a layout with more than one process; launch with torchrun --nproc-per-node N")
+    cfg = dc.replace(_model_config(bc), sequence_parallel=bc.sequence_parallel)
+    params = init_sharded(cfg, layout.mesh)
+    dp, rank = layout.data_parallel_size, data_parallel_rank(layout)
+    g = torch.Generator().manual_seed(0)
+    stream = torch.randint(0, cfg.vocab_size, (bc.batch, bc.seq + 1), generator=g)
+    per = bc.batch // dp
+    local = {"tokens": stream[None, rank * per:(rank + 1) * per, :-1], "labels": stream[None, rank * per:(rank + 1) * per, 1:]}
+    micro = {k: v[0] for k, v in local_batch_to_dtensor(local, layout.mesh).items()}
+    measured = measure_counts(params, micro, cfg)
+    expected = expected_counts(cfg, layout.sizes)
+    if dist.get_rank() == 0:
+        print(f"comm report: layout {bc.comm}{' + SP' if bc.sequence_parallel else ''}, layers={bc.layers} "
+              f"hidden={bc.hidden} batch={bc.batch} seq={bc.seq}, one microbatch")
+        print(format_report(measured, expected))
+        if bc.json_out:
+            with open(bc.json_out, "w") as f:
+                json.dump({"measured": measured, "expected": expected}, f)
+    dist.destroy_process_group()
+
+
 def _spawn(bc: BenchConfig, variant: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(bc.threads))
     if bc.memory_mode:
@@ -220,6 +263,9 @@ def main(bc: BenchConfig) -> None:
     if bc.worker is not None:
         result = run_worker(bc)
         print(json.dumps(result))
+        return
+    if bc.comm is not None:
+        run_comm_report(bc)
         return
     unknown = [v for v in bc.variants if v not in VARIANTS]
     if unknown:

@@ -9,6 +9,7 @@ field docstrings are the ``--help`` text of ``python -m lmfunc.train``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -135,22 +136,33 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh sizes. This version runs on one process; every size must be 1."""
+    """Mesh sizes (launch with ``torchrun --nproc-per-node N``); one size may be -1, "the rest"."""
 
     dp_replicate: int = 1
-    """Data-parallel replicas (DDP-style)."""
+    """Data-parallel replicas (DDP-style: parameters replicated, gradients all-reduced)."""
     dp_shard: int = 1
-    """Data-parallel shards (FSDP-style)."""
+    """Data-parallel shards (FSDP / distributed optimizer: parameters, gradients and optimizer state sharded)."""
     tp: int = 1
-    """Tensor-parallel size."""
+    """Tensor-parallel size (attention heads, MLP width and vocabulary split; see model.sequence_parallel)."""
     pp: int = 1
-    """Pipeline-parallel size."""
+    """Pipeline-parallel size (not supported yet: must be 1)."""
     cp: int = 1
-    """Context-parallel size."""
+    """Context-parallel size (not supported yet: must be 1)."""
+    ep: int = 1
+    """Expert-parallel size (no MoE yet: must be 1)."""
+
+    def sizes(self, world_size: Optional[int] = None) -> dict[str, int]:
+        """Mesh sizes by name with a -1 resolved against ``world_size`` (default: $WORLD_SIZE or 1)."""
+        from lmfunc.parallel.mesh import resolve_sizes
+
+        world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        return resolve_sizes({"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                              "cp": self.cp, "tp": self.tp}, world)
 
     @property
     def data_parallel_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        sizes = self.sizes()
+        return sizes["dp_replicate"] * sizes["dp_shard"]
 
 
 @dataclass(frozen=True)
@@ -172,7 +184,7 @@ class LogConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard package)."""
     peak_flops: Optional[float] = None
-    """Peak FLOP/s of the device for MFU; None measures an fp32 matmul peak at start."""
+    """Peak FLOP/s of one process's device for MFU (multiplied by the process count); None measures an fp32 matmul peak at start."""
 
 
 @dataclass(frozen=True)
@@ -327,6 +339,10 @@ def _validate_precision(precision: PrecisionConfig) -> None:
 def validate_train(cfg: TrainConfig) -> None:
     """Cross-field checks of a ``TrainConfig`` (each section's own fields are checked too)."""
     run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
+    for name in ("pp", "cp", "ep"):
+        value = getattr(cfg.parallel, name)
+        _require(value == 1, f"parallel.{name} = {value}: {name} parallelism is not implemented in this version of "
+                             "lmfunc; set it to 1 (dp_replicate, dp_shard and tp are)")
     _validate_batch(run, cfg.parallel.data_parallel_size)
     _validate_length(cfg)
     _positive(data.seq_length, "data.seq_length")
@@ -361,8 +377,6 @@ def validate_train(cfg: TrainConfig) -> None:
                  f"need optim.decoupled_lr > 0 and 0 <= decoupled_min_lr (or min_lr) <= decoupled_lr, got "
                  f"decoupled_lr={optim.decoupled_lr}, decoupled_min_lr={optim.decoupled_min_lr}, min_lr={optim.min_lr}")
     _require(optim.lr_mult > 0, f"optim.lr_mult must be positive, got {optim.lr_mult}")
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
-        value = getattr(cfg.parallel, name)
-        _positive(value, f"parallel.{name}")
-        _require(value == 1, f"parallel.{name} = {value}: this version of lmfunc trains on one process only; "
-                             "set every parallel size to 1")
+    from lmfunc.parallel.mesh import check_divisibility
+
+    check_divisibility(cfg.parallel.sizes(), cfg.model, data.seq_length)

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lmfunc.config import ConfigError, ModelConfig
+from lmfunc.parallel.placement import DATA_PARALLEL_DIMS  # noqa: F401  (re-exported)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dim names, outermost first (Megatron's order read backwards: tp is the fastest)."""
-from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 
 
 def resolve_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
@@ -101,5 +101,31 @@ def build_mesh(sizes: dict[str, int], device: str | torch.device = "cpu") -> Lay
     device = torch.device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device))
+    _per_rank_compile_cache(dist.get_rank())
     mesh = init_device_mesh(device.type, tuple(size for _, size in used), mesh_dim_names=tuple(name for name, _ in used))
     return Layout(resolved, mesh)
+
+
+def _per_rank_compile_cache(rank: int) -> None:
+    """Give each rank its own Inductor cache directory.
+
+    Compiled graphs embed the names of the process groups their collectives use, and those names
+    differ between ranks of a 2-D mesh; with one shared cache, rank 2 can load rank 0's graph and
+    fail with "Could not resolve the process group registered under the name ..." (torch 2.13).
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    base = cache_dir()
+    if os.path.basename(base) != f"rank{rank}":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
+
+
+def data_parallel_rank(layout: Layout) -> int:
+    """This process's index among the data-parallel ranks (0 without a mesh): dp_replicate-major,
+    the order in which a batch split over both data-parallel dims is laid out."""
+    if layout.mesh is None:
+        return 0
+    names = layout.dims()
+    replicate = layout.mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
+    shard = layout.mesh.get_local_rank("dp_shard") if "dp_shard" in names else 0
+    return replicate * layout.sizes["dp_shard"] + shard

@@ -28,16 +28,23 @@ class RunLogger:
     """Writes records to ``RUN_DIR/log.jsonl`` (one JSON object per line with ``kind`` and ``step``),
     mirrors numeric fields to TensorBoard as ``<kind>/<field>``, and owns the terminal output."""
 
-    def __init__(self, run_dir: str, total_steps: int, progress_bar: bool = True, tensorboard: bool = False):
-        self.path = os.path.join(run_dir, "log.jsonl")
+    def __init__(self, run_dir: Optional[str], total_steps: int, progress_bar: bool = True, tensorboard: bool = False):
+        """``run_dir`` None makes a silent logger (the other ranks of a multi-process run)."""
+        self.enabled = run_dir is not None
+        self.path = os.path.join(run_dir, "log.jsonl") if run_dir is not None else ""
+        self._bar: Optional[tqdm] = None
+        self._tb = None
+        if not self.enabled:
+            return
         self._tb = _open_tensorboard(os.path.join(run_dir, "tensorboard")) if tensorboard else None
         self._file = open(self.path, "a")
-        self._bar: Optional[tqdm] = None
         if progress_bar:
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def echo(self, text: str) -> None:
         """Print a line without breaking the progress bar."""
+        if not self.enabled:
+            return
         if self._bar is not None:
             self._bar.write(text)
         else:
@@ -57,6 +64,8 @@ class RunLogger:
 
     def record(self, kind: str, step: int, **values: Any) -> None:
         """Append one JSONL record (and TensorBoard scalars for its numbers)."""
+        if not self.enabled:
+            return
         entry = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
         self._file.write(json.dumps(entry) + "\n")
         self._file.flush()
@@ -67,6 +76,8 @@ class RunLogger:
 
     def close(self) -> None:
         self.end_progress()
+        if not self.enabled:
+            return
         if self._tb is not None:
             self._tb.close()
         self._file.close()

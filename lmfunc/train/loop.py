@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 import numpy as np
+import torch.distributed as dist
 import yaml
 
 from lmfunc import model
@@ -26,6 +27,8 @@ from lmfunc.data.pipeline import build_datasets
 from lmfunc.data.tokenizer import load_tokenizer, padded_vocab_size
 from lmfunc.generate import generate
 from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops, memory_stats_mib
+from lmfunc.parallel.mesh import Layout, build_mesh, data_parallel_rank
+from lmfunc.parallel.sharding import full_tensors, init_sharded, local_batch_to_dtensor
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype
 from lmfunc.train.batching import BatchPlan
 from lmfunc.train.log import RunLogger
@@ -102,20 +105,25 @@ def _datasets(cfg: TrainConfig, tokenizer, train_iters: int) -> tuple[object, Op
     return datasets["train"], datasets["valid"]
 
 
-def _batch(dataset, start: int, microbatches: int, cfg: TrainConfig, tokenizer) -> dict:
-    """Samples ``start ..`` of ``dataset`` (Megatron's sequential sampler, one data-parallel rank) as a
-    ``[microbatches, micro_batch_size, S]`` batch."""
-    micro = cfg.run.micro_batch_size
-    samples = np.stack([dataset[start + i] for i in range(microbatches * micro)]).reshape(microbatches, micro, -1)
+def _batch(dataset, start: int, microbatches: int, cfg: TrainConfig, tokenizer, layout: Layout) -> dict:
+    """This rank's part of the global batch that starts at sample ``start``, Megatron's sequential
+    sampler: microbatch j covers samples ``start + j * micro * dp ...``, of which data-parallel rank
+    r loads ``micro`` from offset ``r * micro``. A ``[microbatches, micro_batch_size, S]`` batch, as
+    DTensors of the global batch on a mesh."""
+    micro, dp, rank = cfg.run.micro_batch_size, layout.data_parallel_size, data_parallel_rank(layout)
+    indices = [start + j * micro * dp + rank * micro + i for j in range(microbatches) for i in range(micro)]
+    samples = np.stack([dataset[i] for i in indices]).reshape(microbatches, micro, -1)
     d = cfg.data
-    return lm_batch(samples, tokenizer.eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss,
-                    getattr(tokenizer, "pad", None))
+    batch = lm_batch(samples, tokenizer.eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss,
+                     getattr(tokenizer, "pad", None))
+    return local_batch_to_dtensor(batch, layout.mesh) if layout.mesh is not None else batch
 
 
-def _eval_batches(dataset, cfg: TrainConfig, tokenizer) -> list[dict]:
+def _eval_batches(dataset, cfg: TrainConfig, tokenizer, layout: Layout) -> list[dict]:
     """The first ``eval_iters`` global batches of the validation split (the same at every evaluation)."""
-    microbatches = cfg.run.global_batch_size // cfg.run.micro_batch_size
-    return [_batch(dataset, i * cfg.run.global_batch_size, microbatches, cfg, tokenizer) for i in range(cfg.run.eval_iters)]
+    microbatches = cfg.run.global_batch_size // (cfg.run.micro_batch_size * layout.data_parallel_size)
+    return [_batch(dataset, i * cfg.run.global_batch_size, microbatches, cfg, tokenizer, layout)
+            for i in range(cfg.run.eval_iters)]
 
 
 def _evaluate(eval_step, params, batches: list[dict]) -> float:
@@ -155,32 +163,48 @@ def train(cfg: TrainConfig) -> RunResult:
             f"set model.vocab_size to at least {tokenizer.vocab_size} ({padded_vocab_size(tokenizer.vocab_size)} is "
             "the Megatron-padded size)"
         )
+    layout = build_mesh(cfg.parallel.sizes())
+    try:
+        return _train(cfg, tokenizer, layout)
+    finally:
+        if layout.mesh is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
     run, seq = cfg.run, cfg.data.seq_length
-    plan = BatchPlan.from_config(run, cfg.parallel.data_parallel_size)
+    main_rank = not dist.is_initialized() or dist.get_rank() == 0
+    plan = BatchPlan.from_config(run, layout.data_parallel_size)
     train_iters = run.train_iters if run.train_iters is not None else plan.train_iters_for_samples(run.train_samples)
     if train_iters < 1:
         raise ConfigError(f"run.train_samples ({run.train_samples}) is less than one global batch; train longer")
     train_data, valid_data = _datasets(cfg, tokenizer, train_iters)
 
-    run_dir = create_run_dir(run)
-    save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    run_dir = create_run_dir(run) if main_rank else None
+    if run_dir is not None:
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
     logger = RunLogger(run_dir, train_iters, cfg.log.progress_bar, cfg.log.tensorboard)
     logger.echo("resolved config:\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False).rstrip())
-    peak_flops = cfg.log.peak_flops or measure_matmul_peak_flops()
+    processes = dist.get_world_size() if dist.is_initialized() else 1
+    peak_flops = (cfg.log.peak_flops or measure_matmul_peak_flops()) * processes
     flops_token = flops_per_token(cfg.model, seq)
     source = cfg.data.path or cfg.data.train_path or cfg.data.text_file or ("mock" if cfg.data.mock else "embedded corpus")
     logger.echo(
         f"run directory: {run_dir}\n"
-        f"data: {len(train_data)} train / {len(valid_data) if valid_data else 0} validation samples of {seq} tokens "
+        + (f"mesh: {dict(zip(layout.dims(), layout.mesh.mesh.shape))} over {dist.get_world_size()} processes\n"
+           if layout.mesh is not None else "")
+        + f"data: {len(train_data)} train / {len(valid_data) if valid_data else 0} validation samples of {seq} tokens "
         f"({source}); {train_iters} steps; model {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
         f"{flops_token / 1e6:.2f} MFLOP/token; MFU peak {peak_flops / 1e9:.1f} GFLOP/s "
-        f"({'configured' if cfg.log.peak_flops else 'measured fp32 matmul'})"
+        f"({'configured' if cfg.log.peak_flops else 'measured fp32 matmul'}"
+        + (f", x {processes} processes" if processes > 1 else "") + ")"
     )
 
     schedule = build_lr_schedule(cfg, plan, train_iters)
     decoupled = (build_lr_schedule(cfg, plan, train_iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr)
                  if cfg.optim.decoupled_lr is not None else None)
-    params = model.init(cfg.model, seed=run.seed)
+    params = (init_sharded(cfg.model, layout.mesh, seed=run.seed) if layout.mesh is not None
+              else model.init(cfg.model, seed=run.seed))
     tx = build_optimizer(cfg, schedule, params, decoupled)
     loss_scale = cfg.precision.loss_scaling()
     dtype = compute_dtype(cfg.precision.compute_dtype)
@@ -204,11 +228,11 @@ def train(cfg: TrainConfig) -> RunResult:
         meter.pause(time.perf_counter() - began)
 
     evaluating = valid_data is not None and run.eval_iters > 0
-    eval_batches = _eval_batches(valid_data, cfg, tokenizer) if evaluating else []
+    eval_batches = _eval_batches(valid_data, cfg, tokenizer, layout) if evaluating else []
 
     def train_batch(start: int) -> tuple[int, dict]:
         microbatches = plan.num_microbatches_at(start)
-        return microbatches, _batch(train_data, start, microbatches, cfg, tokenizer)
+        return microbatches, _batch(train_data, start, microbatches, cfg, tokenizer, layout)
 
     # The next batches are built on a thread while the step runs.
     loader = PrefetchLoader(train_batch, plan.samples_before_steps(train_iters)[:-1])
@@ -222,15 +246,16 @@ def train(cfg: TrainConfig) -> RunResult:
             state, metrics = train_step(state, batch)
             loss = float(metrics["loss"])
             if cfg.precision.check_for_nan_in_loss:
-                check_for_nan_in_loss(loss, step, skipped=bool(metrics.get("skipped", 0.0)))
-            consumed += microbatches * run.micro_batch_size
+                check_for_nan_in_loss(loss, step, dist.get_rank() if dist.is_initialized() else 0,
+                                      skipped=bool(metrics.get("skipped", 0.0)))
+            consumed += microbatches * run.micro_batch_size * layout.data_parallel_size
             interval_losses.append(loss)
             if step == 1:
                 logger.echo(f"step 1 took {time.perf_counter() - start:.1f} s"
                             + (" (compiling the train step included)" if run.compile else ""))
                 meter.reset()
             else:
-                meter.add(microbatches * run.micro_batch_size * seq)
+                meter.add(microbatches * run.micro_batch_size * layout.data_parallel_size * seq)
             tokens_per_s = meter.rate()
             logger.progress(step, loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}", tok_s=f"{tokens_per_s or 0:.0f}")
             if step % cfg.log.log_interval == 0:
@@ -241,7 +266,7 @@ def train(cfg: TrainConfig) -> RunResult:
                 logger.record(
                     "train", step, loss=mean_loss, grad_norm=float(metrics["grad_norm"]), lr=float(metrics["lr"]),
                     tokens_per_s=tokens_per_s, mfu=mfu, consumed_samples=consumed,
-                    global_batch_size=microbatches * run.micro_batch_size,
+                    global_batch_size=microbatches * run.micro_batch_size * layout.data_parallel_size,
                     **extra, **{f"mem_{k}_mib": round(v, 1) for k, v in memory.items()},
                 )
                 logger.echo(
@@ -262,9 +287,10 @@ def train(cfg: TrainConfig) -> RunResult:
         logger.end_progress()
         if evaluating and val_losses[-1][0] != step:
             validate(step)
-        if cfg.checkpoint.save_weights:
-            save_weights(state.params, os.path.join(run_dir, "model.safetensors"), {"step": str(step)})
-        sample = _sample_text(state.params, cfg, tokenizer) if run.sample_tokens > 0 else None
+        final_params = full_tensors(state.params) if layout.mesh is not None else state.params
+        if cfg.checkpoint.save_weights and run_dir is not None:
+            save_weights(final_params, os.path.join(run_dir, "model.safetensors"), {"step": str(step)})
+        sample = _sample_text(final_params, cfg, tokenizer) if run.sample_tokens > 0 and main_rank else None
         duration = time.perf_counter() - start
         logger.record("end", step, consumed_samples=consumed, duration_s=duration, exit_reason=exit_reason, sample=sample)
         logger.echo(f"finished {step} steps ({exit_reason}) in {duration:.0f} s; logs: {logger.path}")

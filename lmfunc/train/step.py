@@ -63,6 +63,11 @@ def distributed_context(params) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def full_metrics(metrics: Metrics) -> Metrics:
+    """Metrics as plain tensors, equal on every rank (DTensor values reduced or gathered)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
+
+
 def _compile(fn: Callable, compile: bool, backend: Union[str, Callable]) -> Callable:
     """``fn`` (compiled when asked), called inside ``distributed_context`` of its first argument's
     params (the context is entered outside the compiled region: Dynamo cannot trace it)."""
@@ -90,7 +95,7 @@ def make_eval_step(
         for i in range(batch["tokens"].shape[0]):
             out = loss_fn(params, {k: v[i] for k, v in batch.items()}, cfg)
             loss_sum, num_tokens = loss_sum + out.loss_sum, num_tokens + out.num_tokens
-        return {"loss_sum": loss_sum, "num_tokens": num_tokens}
+        return full_metrics({"loss_sum": loss_sum, "num_tokens": num_tokens})
 
     return _compile(eval_step, compile, backend)
 
@@ -190,6 +195,7 @@ def make_train_step(
             metrics[f"mtp_{k + 1}_loss"] = mtp_sums[k] / torch.clamp(mtp_counts[k], min=1.0)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(optimizer_steps)
+        metrics = full_metrics(metrics)
         new_state = state.replace(
             params=params,
             opt_state=opt_state,

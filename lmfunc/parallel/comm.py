@@ -1,0 +1,89 @@
+"""Communication accounting: the collectives of one microbatch's forward and backward, counted with
+``CommDebugMode``, next to the numbers the layout should give.
+
+Expected, for a model without MTP (L layers, U = parameter uses: every leaf once, the tied
+embedding twice):
+- FSDP (``dp_shard``): U all-gathers in the forward (each parameter gathered where it is used)
+  and U reduce-scatters in the backward (their gradients); nothing else.
+- TP without SP: Megatron's all-reduce after each row-parallel projection, 2 per layer, plus one
+  for the vocab-parallel embedding and 3 inside the vocab-parallel cross entropy (max, sum of
+  exponentials, target logit): 2L + 4 forward all-reduces.
+- TP with SP: the all-reduces become a reduce-scatter (2 per layer + the embedding) and an
+  all-gather before each column-parallel projection (2 per layer + the final norm): 2L + 1 of
+  each, plus the cross entropy's 3 all-reduces.
+The backward of TP is whatever DTensor derives (all-gather/reduce-scatter pairs rather than
+Megatron's 2 all-reduces per layer); it is reported, not predicted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.experimental import implicit_replication
+
+from lmfunc.config import ModelConfig
+from lmfunc.grad import value_and_grad
+from lmfunc.loss import lm_losses
+from lmfunc.model import gpt
+from lmfunc.tree import tree_leaves
+
+KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+
+def parameter_uses(cfg: ModelConfig) -> int:
+    """How many times one forward pass uses a parameter leaf (the tied embedding counts twice)."""
+    return len(tree_leaves(gpt.param_shapes(cfg))) + int(cfg.tie_embeddings)
+
+
+def expected_counts(cfg: ModelConfig, sizes: dict[str, int]) -> Optional[dict[str, Counter]]:
+    """``{"forward": Counter, "forward+backward": Counter or None}`` for this layout, or None when
+    lmfunc makes no prediction (MTP, dp_replicate)."""
+    if cfg.mtp_num_layers or sizes.get("dp_replicate", 1) > 1:
+        return None
+    forward, backward = Counter(), Counter()
+    if sizes.get("dp_shard", 1) > 1:
+        forward["all_gather_into_tensor"] += parameter_uses(cfg)
+        backward["reduce_scatter_tensor"] += parameter_uses(cfg)
+    layers = cfg.num_layers
+    if sizes.get("tp", 1) > 1:
+        if cfg.sequence_parallel:
+            forward["reduce_scatter_tensor"] += 2 * layers + 1
+            forward["all_gather_into_tensor"] += 2 * layers + 1
+            forward["all_reduce"] += 3
+        else:
+            forward["all_reduce"] += 2 * layers + 4
+        return {"forward": forward, "forward+backward": None}
+    return {"forward": forward, "forward+backward": forward + backward}
+
+
+def _counts(mode: CommDebugMode) -> Counter:
+    return Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()})
+
+
+def measure_counts(params, microbatch: dict, cfg: ModelConfig) -> dict[str, Counter]:
+    """Collectives of ``lm_losses`` forward, and of forward + backward, for DTensor ``params`` and a
+    DTensor ``microbatch`` (``[B, S]`` tensors)."""
+
+    def objective(p):
+        out = lm_losses(p, microbatch, cfg)
+        return out.loss_sum, out
+
+    with implicit_replication():
+        with CommDebugMode() as forward:
+            objective(params)
+        with CommDebugMode() as both:
+            value_and_grad(objective, has_aux=True)(params)
+    return {"forward": _counts(forward), "forward+backward": _counts(both)}
+
+
+def format_report(measured: dict[str, Counter], expected: Optional[dict]) -> str:
+    """A table: one row per pass and collective kind, measured and expected."""
+    lines = [f"{'pass':18s} {'collective':24s} {'measured':>9s} {'expected':>9s}"]
+    for name, counts in measured.items():
+        want = expected.get(name) if expected else None
+        for kind in KINDS:
+            lines.append(f"{name:18s} {kind:24s} {counts.get(kind, 0):9d} "
+                         f"{'-' if want is None else want.get(kind, 0):>9}")
+    return "\n".join(lines)
