@@ -239,6 +239,7 @@ def run_comm_report(bc: BenchConfig) -> None:
         if bc.json_out:
             with open(bc.json_out, "w") as f:
                 json.dump({"measured": measured, "expected": expected}, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -70,6 +70,7 @@ def main() -> None:
                 "frames": counter.frame_count, "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
                 "placements": placements,
             }, f)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -18,17 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``args`` under torchrun (gloo, CPU). A launch whose rank died of SIGABRT in gloo's
-    transport (seen now and then on a loaded 2-core box, never with a Python error) is retried once."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    for attempt in range(2):
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        aborted = "Signal 6 (SIGABRT)" in proc.stderr and "Traceback (most recent call last)" not in proc.stderr.split(
-            "ChildFailedError")[0]
-        if proc.returncode == 0 or not aborted or attempt == 1:
-            break
-        print(f"torchrun attempt {attempt + 1} aborted (SIGABRT); retrying once")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 

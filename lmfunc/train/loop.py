@@ -164,11 +164,16 @@ def train(cfg: TrainConfig) -> RunResult:
             "the Megatron-padded size)"
         )
     layout = build_mesh(cfg.parallel.sizes())
-    try:
+    if layout.mesh is None:
         return _train(cfg, tokenizer, layout)
+    try:
+        result = _train(cfg, tokenizer, layout)
+        # Every rank leaves together: a rank that tears down its process group while another is
+        # still saving or sampling makes gloo abort the process at exit.
+        dist.barrier()
+        return result
     finally:
-        if layout.mesh is not None and dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
