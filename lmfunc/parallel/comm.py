@@ -5,14 +5,15 @@ Expected, for a model without MTP (L layers, U = parameter uses: every leaf once
 embedding twice):
 - FSDP (``dp_shard``): U all-gathers in the forward (each parameter gathered where it is used)
   and U reduce-scatters in the backward (their gradients); nothing else.
-- TP without SP: Megatron's all-reduce after each row-parallel projection, 2 per layer, plus one
-  for the vocab-parallel embedding and 3 inside the vocab-parallel cross entropy (max, sum of
-  exponentials, target logit): 2L + 4 forward all-reduces.
-- TP with SP: the all-reduces become a reduce-scatter (2 per layer + the embedding) and an
-  all-gather before each column-parallel projection (2 per layer + the final norm): 2L + 1 of
-  each, plus the cross entropy's 3 all-reduces.
-The backward of TP is whatever DTensor derives (all-gather/reduce-scatter pairs rather than
-Megatron's 2 all-reduces per layer); it is reported, not predicted.
+- TP without SP, Megatron's pattern: forward, an all-reduce after each row-parallel projection
+  (2 per layer), one for the vocab-parallel embedding and 3 inside the vocab-parallel cross
+  entropy (max, sum of exponentials, target logit): 2L + 4. Backward, Megatron's ``f``: one
+  all-reduce of the input gradient of each column-parallel block (2 per layer, plus the output
+  head's): 2L + 1; and the 2 all-gathers DTensor's ``loss_parallel`` backward does.
+- TP with SP: forward, a reduce-scatter after each row-parallel projection and the embedding, an
+  all-gather before each column-parallel block and the head (2L + 1 each), the cross entropy's 3
+  all-reduces. Backward, the mirror images: 2L + 1 reduce-scatters and 2L + 1 all-gathers, plus
+  the loss's 2 all-gathers.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def parameter_uses(cfg: ModelConfig) -> int:
 
 
 def expected_counts(cfg: ModelConfig, sizes: dict[str, int]) -> Optional[dict[str, Counter]]:
-    """``{"forward": Counter, "forward+backward": Counter or None}`` for this layout, or None when
-    lmfunc makes no prediction (MTP, dp_replicate)."""
+    """``{"forward": Counter, "forward+backward": Counter}`` for this layout, or None when lmfunc
+    makes no prediction (MTP, dp_replicate)."""
     if cfg.mtp_num_layers or sizes.get("dp_replicate", 1) > 1:
         return None
     forward, backward = Counter(), Counter()
@@ -52,9 +53,12 @@ def expected_counts(cfg: ModelConfig, sizes: dict[str, int]) -> Optional[dict[st
             forward["reduce_scatter_tensor"] += 2 * layers + 1
             forward["all_gather_into_tensor"] += 2 * layers + 1
             forward["all_reduce"] += 3
+            backward["reduce_scatter_tensor"] += 2 * layers + 1
+            backward["all_gather_into_tensor"] += 2 * layers + 1 + 2
         else:
             forward["all_reduce"] += 2 * layers + 4
-        return {"forward": forward, "forward+backward": None}
+            backward["all_reduce"] += 2 * layers + 1
+            backward["all_gather_into_tensor"] += 2
     return {"forward": forward, "forward+backward": forward + backward}
 
 

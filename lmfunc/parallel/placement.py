@@ -58,13 +58,35 @@ def residual_layout(x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     return x if list(x.placements) == want else x.redistribute(x.device_mesh, want)
 
 
+class _ReduceGrad(torch.autograd.Function):
+    """Megatron's ``f``: identity forward; backward, the gradient (a ``Partial`` sum over ``tp``
+    from the column-parallel projections) is reduced to the input's placements right here."""
+
+    @staticmethod
+    def forward(x: DTensor) -> DTensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.placements = tuple(inputs[0].placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
+            return grad.redistribute(grad.device_mesh, ctx.placements)
+        return grad
+
+
 def compute_layout(x: torch.Tensor) -> torch.Tensor:
-    """Activations replicated over ``tp`` for a column-parallel projection (with SP: an all-gather
-    of the sequence)."""
+    """Activations replicated over ``tp`` for a column-parallel projection: with SP an all-gather
+    of the sequence (its backward a reduce-scatter); without SP Megatron's ``f`` (the backward
+    all-reduces the input gradient once)."""
     if not isinstance(x, DTensor) or "tp" not in x.device_mesh.mesh_dim_names:
         return x
     want = _tp_placement(x, Replicate())
-    return x if list(x.placements) == want else x.redistribute(x.device_mesh, want)
+    if list(x.placements) == want:
+        return _ReduceGrad.apply(x)
+    return x.redistribute(x.device_mesh, want)
 
 
 def embedding_lookup(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
