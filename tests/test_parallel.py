@@ -39,6 +39,17 @@ def test_sizes_resolve_and_bad_layouts_are_named():
         check_divisibility({"tp": 2}, tiny, seq_length=33)
 
 
+def test_mtp_on_a_2d_mesh_with_compile_is_refused(monkeypatch):
+    from lmfunc.config.train import ParallelConfig, RunConfig, TrainConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = TrainConfig(model=model_preset("tiny", mtp_num_layers=1), parallel=ParallelConfig(dp_shard=2, tp=2),
+                      run=RunConfig(micro_batch_size=4))
+    with pytest.raises(ConfigError, match=r"2-D mesh \(dp_shard x tp\).*--run.no-compile"):
+        cfg.validate()
+    cfg.replace(run=RunConfig(micro_batch_size=4, compile=False)).validate()
+
+
 def test_mesh_dims_follow_megatrons_rank_order():
     # Outermost first: tp varies fastest between consecutive ranks, then cp, then data parallel, then pp.
     assert MESH_DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -379,4 +379,9 @@ def validate_train(cfg: TrainConfig) -> None:
     _require(optim.lr_mult > 0, f"optim.lr_mult must be positive, got {optim.lr_mult}")
     from lmfunc.parallel.mesh import check_divisibility
 
-    check_divisibility(cfg.parallel.sizes(), cfg.model, data.seq_length)
+    sizes = cfg.parallel.sizes()
+    check_divisibility(sizes, cfg.model, data.seq_length)
+    mesh_dims = [name for name, size in sizes.items() if size > 1]
+    _require(not (run.compile and cfg.model.mtp_num_layers and len(mesh_dims) > 1),
+             f"model.mtp_num_layers > 0 on a {len(mesh_dims)}-D mesh ({' x '.join(mesh_dims)}) does not compile with "
+             "torch 2.13 (Dynamo: PendingUnbackedSymbolNotFound); use a 1-D layout or --run.no-compile")
