@@ -13,7 +13,7 @@ import fnmatch
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from lmfunc.optim.transforms import GradientTransformation, _resolve_mask
-from lmfunc.tree import PyTree, flatten_with_paths, tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
+from lmfunc.tree import PyTree, tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
 
 Labels = Union[PyTree, Callable[[PyTree], PyTree]]
 
@@ -95,11 +95,6 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], label
         return tree_unflatten(leaves, spec), MultiTransformState(new_states)
 
     return GradientTransformation(init, update)
-
-
-def leaf_names(params: PyTree) -> list[str]:
-    """Dotted names of the leaves, in ``tree_leaves`` order (``layers.0.attn.wq``)."""
-    return [path for path, _ in flatten_with_paths(params)]
 
 
 def name_matches(name: str, patterns: Sequence[str]) -> bool:

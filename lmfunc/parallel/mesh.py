@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lmfunc.config import ConfigError, ModelConfig
-from lmfunc.parallel.placement import DATA_PARALLEL_DIMS  # noqa: F401  (re-exported)
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Mesh dim names, outermost first (Megatron's order read backwards: tp is the fastest)."""

@@ -19,8 +19,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from lmfunc.config import ModelConfig
 from lmfunc.model import gpt
-from lmfunc.parallel.mesh import DATA_PARALLEL_DIMS
-from lmfunc.parallel.placement import compute_placements, gather  # noqa: F401  (re-exported)
+from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path
 
 Rules = Sequence[tuple[str, Sequence[str]]]
@@ -71,11 +70,6 @@ def init_sharded(cfg: ModelConfig, mesh: DeviceMesh, seed: int = 0, rules: Rules
         return distribute_tensor(full, mesh, placements_for(spec.axes, mesh, rules))
 
     return tree_map_with_path(make, specs, is_leaf=lambda x: isinstance(x, gpt.LeafSpec))
-
-
-def batch_placements(mesh: DeviceMesh) -> list[Placement]:
-    """A batch ``[B, ...]`` split over the data-parallel dims, replicated over the others."""
-    return [Shard(0) if name in DATA_PARALLEL_DIMS else Replicate() for name in mesh.mesh_dim_names]
 
 
 def local_batch_to_dtensor(batch: dict, mesh: DeviceMesh, batch_dim: int = 1) -> dict:

@@ -136,10 +136,13 @@ def make_train_step(
     """
     dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
 
+    def main_loss(out: LossOutput) -> torch.Tensor:
+        """A microbatch's share before normalisation: its token-loss sum, or its per-token mean."""
+        return out.loss_sum if calculate_per_token_loss else out.loss_sum / torch.clamp(out.num_tokens, min=1.0)
+
     def objective(params, micro: Batch, grad_scale: torch.Tensor, seed):
         out = loss_fn(cast_params(params, compute_dtype), micro, cfg, seed, grad_scale, calculate_per_token_loss)
-        main = out.loss_sum if calculate_per_token_loss else out.loss_sum / torch.clamp(out.num_tokens, min=1.0)
-        return main * grad_scale, out
+        return main_loss(out) * grad_scale, out
 
     grad_fn = value_and_grad(objective, has_aux=True)
 
@@ -157,7 +160,7 @@ def make_train_step(
         scale = state.loss_scale.scale if loss_scale is not None else None
         grad_scale = normaliser * scale if scale is not None else normaliser
         loss_total = torch.zeros((), dtype=torch.float32)
-        mtp_sums = mtp_counts = torch.zeros(cfg.mtp_num_layers if cfg.mtp_num_layers else 0)
+        mtp_sums = mtp_counts = torch.zeros(cfg.mtp_num_layers)
         grad_leaves, spec = None, None
         for i in range(num_micro):
             micro = {k: v[i] for k, v in batch.items()}
@@ -165,8 +168,7 @@ def make_train_step(
             (_, out), grads = grad_fn(state.params, micro, grad_scale, seed)
             leaves, spec = tree_flatten(grads)
             grad_leaves = leaves if grad_leaves is None else torch._foreach_add(grad_leaves, leaves)
-            micro_loss = out.loss_sum if calculate_per_token_loss else out.loss_sum / torch.clamp(out.num_tokens, min=1.0)
-            loss_total = loss_total + micro_loss
+            loss_total = loss_total + main_loss(out)
             if cfg.mtp_num_layers:
                 mtp_sums, mtp_counts = mtp_sums + out.mtp_loss_sums, mtp_counts + out.mtp_num_tokens
         found_inf = None
