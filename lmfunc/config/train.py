@@ -167,8 +167,31 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """What is saved. (Sharded, resumable training checkpoints come later.)"""
+    """Sharded training checkpoints (torch.distributed.checkpoint), resuming and weight import/export."""
 
+    save: bool = True
+    """Write training checkpoints to checkpoint.save_dir every save_interval steps and when the run
+    stops (end of training, SIGTERM/SIGINT, run.exit_interval, run.exit_duration_in_mins)."""
+    save_dir: Optional[str] = None
+    """Directory of the iter_NNNNNNN/ checkpoints; None means RUN_DIR/checkpoints."""
+    save_interval: Optional[int] = 100
+    """Save every this many steps; None saves only when the run stops."""
+    keep: Optional[int] = 2
+    """Keep the newest this many checkpoints (older ones are deleted); None keeps all."""
+    async_save: bool = True
+    """Write checkpoints on a background thread while training goes on (one save in flight)."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in checkpoint.load (or save_dir) when there is one."""
+    load: Optional[str] = None
+    """Directory to resume from (Megatron's --load); None means checkpoint.save_dir."""
+    load_step: Optional[int] = None
+    """Load this step instead of the newest (Megatron's --ckpt-step)."""
+    finetune: bool = False
+    """Load only the weights from the checkpoint; start at step 0 with a fresh optimizer."""
+    load_hf: Optional[str] = None
+    """Start from Hugging Face Llama weights in this directory (config.json + *.safetensors)."""
+    exit_signal_handler: bool = True
+    """On SIGTERM or SIGINT every rank finishes the current step, saves a checkpoint and exits 0."""
     save_weights: bool = True
     """Write the final parameters to RUN_DIR/model.safetensors (read by ``python -m lmfunc.generate``)."""
 
@@ -203,7 +226,9 @@ class RunConfig:
     train_samples: Optional[int] = None
     """Sequences to train on (sample-based runs; set run.train_iters to None)."""
     exit_duration_in_mins: Optional[float] = None
-    """Stop after this many minutes of training."""
+    """Stop after this many minutes of training (saving a checkpoint first)."""
+    exit_interval: Optional[int] = None
+    """Stop (saving a checkpoint first) at the first step that is a multiple of this."""
     eval_interval: int = 100
     """Evaluate on the validation split every this many iterations (and at the end)."""
     eval_iters: int = 4
@@ -336,6 +361,18 @@ def _validate_precision(precision: PrecisionConfig) -> None:
     _positive(precision.hysteresis, "precision.hysteresis")
 
 
+def _validate_checkpoint(ck: CheckpointConfig) -> None:
+    _require(ck.save_interval is None or ck.save_interval > 0,
+             f"checkpoint.save_interval must be positive (or None to save only when the run stops), got {ck.save_interval}")
+    _require(ck.keep is None or ck.keep > 0, f"checkpoint.keep must be positive (or None to keep all), got {ck.keep}")
+    _require(ck.load_step is None or ck.load_step >= 0, f"checkpoint.load_step must be >= 0, got {ck.load_step}")
+    _require(ck.load_hf is None or (ck.load is None and ck.load_step is None),
+             "checkpoint.load_hf starts from imported weights; it cannot be combined with checkpoint.load or "
+             "checkpoint.load_step")
+    _require(not ck.finetune or ck.load is not None or ck.load_step is not None,
+             "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory")
+
+
 def validate_train(cfg: TrainConfig) -> None:
     """Cross-field checks of a ``TrainConfig`` (each section's own fields are checked too)."""
     run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
@@ -368,6 +405,9 @@ def validate_train(cfg: TrainConfig) -> None:
     _require(run.eval_iters >= 0, f"run.eval_iters must be >= 0, got {run.eval_iters}")
     _require(run.exit_duration_in_mins is None or run.exit_duration_in_mins > 0,
              f"run.exit_duration_in_mins must be positive, got {run.exit_duration_in_mins}")
+    _require(run.exit_interval is None or run.exit_interval > 0,
+             f"run.exit_interval must be positive, got {run.exit_interval}")
+    _validate_checkpoint(cfg.checkpoint)
     _require(run.sample_tokens >= 0, f"run.sample_tokens must be >= 0, got {run.sample_tokens}")
     _validate_precision(cfg.precision)
     if optim.decoupled_lr is not None or optim.decoupled_min_lr is not None:

@@ -55,9 +55,10 @@ class BatchPlan:
             iterations += (train_samples - consumed) // self.global_batch_size
         return iterations
 
-    def samples_before_steps(self, num_steps: int) -> list[int]:
-        """``[consumed samples before step 0, 1, ..., num_steps]`` (length ``num_steps + 1``)."""
-        consumed = [0]
+    def samples_before_steps(self, num_steps: int, start: int = 0) -> list[int]:
+        """``[consumed samples before step 0, 1, ..., num_steps]`` (length ``num_steps + 1``) of a run
+        that has consumed ``start`` samples before its step 0 (a resumed run)."""
+        consumed = [start]
         for _ in range(num_steps):
             consumed.append(consumed[-1] + self.global_batch_at(consumed[-1]))
         return consumed

@@ -1,7 +1,9 @@
-"""The training loop: data, the compiled step, evaluation, logging, exit conditions, a final sample.
+"""The training loop: data, the compiled step, evaluation, logging, checkpoints, exit conditions,
+a final sample.
 
-``train(cfg)`` runs a whole ``TrainConfig`` on one process and returns what happened. Everything
-random is seeded from the config, so the same config gives the same losses.
+``train(cfg)`` runs a whole ``TrainConfig`` (on every rank of a torchrun launch) and returns what
+happened. Everything random is seeded from the config and the train state, so the same config
+gives the same losses, and a run resumed from a checkpoint continues them exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import yaml
 
 from lmfunc import model
 from lmfunc.checkpoint import save_weights
+from lmfunc.checkpoint.manager import CheckpointManager
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import RunConfig, TrainConfig
 from lmfunc.config.yaml_io import config_to_dict, save_config
@@ -31,8 +34,10 @@ from lmfunc.parallel.mesh import Layout, build_mesh, data_parallel_rank
 from lmfunc.parallel.sharding import full_tensors, init_sharded, local_batch_to_dtensor
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype
 from lmfunc.train.batching import BatchPlan
+from lmfunc.train.checkpointing import RunPaths, broadcast, config_text, prepare_run_paths, restore_state
 from lmfunc.train.log import RunLogger
 from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
+from lmfunc.train.signals import StopRequests
 from lmfunc.train.state import TrainState
 from lmfunc.train.step import make_eval_step, make_train_step
 from lmfunc.tree import tree_size
@@ -69,21 +74,6 @@ class _Throughput:
     def rate(self) -> Optional[float]:
         """None until a timed step has finished."""
         return self.tokens / (time.perf_counter() - self.since) if self.tokens else None
-
-
-def create_run_dir(run: RunConfig) -> str:
-    """``out_dir/name`` (a timestamp when ``name`` is None), created; an existing named run is an error."""
-    if run.name is not None:
-        path = os.path.join(run.out_dir, run.name)
-        if os.path.exists(os.path.join(path, "log.jsonl")):
-            raise ConfigError(f"run directory {path} already holds a run; pick another run.name or remove it")
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path, n = os.path.join(run.out_dir, stamp), 1
-        while os.path.exists(path):
-            path, n = os.path.join(run.out_dir, f"{stamp}-{n}"), n + 1
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 def _datasets(cfg: TrainConfig, tokenizer, train_iters: int) -> tuple[object, Optional[object]]:
@@ -176,6 +166,33 @@ def train(cfg: TrainConfig) -> RunResult:
         dist.destroy_process_group()
 
 
+def _run_paths(cfg: TrainConfig, main_rank: bool) -> RunPaths:
+    """Rank 0's ``prepare_run_paths`` on every rank (its ConfigError raised on every rank)."""
+    decision: object = None
+    if main_rank:
+        try:
+            decision = prepare_run_paths(cfg)
+        except ConfigError as err:
+            decision = err
+    decision = broadcast(decision)
+    if isinstance(decision, ConfigError):
+        raise decision
+    return decision
+
+
+def _initial_params(cfg: TrainConfig, layout: Layout):
+    """Freshly initialised parameters, or those imported from ``checkpoint.load_hf``, in the layout."""
+    if cfg.checkpoint.load_hf is not None:
+        from lmfunc.checkpoint.hf import load_hf_llama
+        from lmfunc.parallel.sharding import shard_params
+
+        params = load_hf_llama(cfg.checkpoint.load_hf, cfg.model)
+        return shard_params(params, cfg.model, layout.mesh) if layout.mesh is not None else params
+    if layout.mesh is not None:
+        return init_sharded(cfg.model, layout.mesh, seed=cfg.run.seed)
+    return model.init(cfg.model, seed=cfg.run.seed)
+
+
 def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
     run, seq = cfg.run, cfg.data.seq_length
     main_rank = not dist.is_initialized() or dist.get_rank() == 0
@@ -185,7 +202,8 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
         raise ConfigError(f"run.train_samples ({run.train_samples}) is less than one global batch; train longer")
     train_data, valid_data = _datasets(cfg, tokenizer, train_iters)
 
-    run_dir = create_run_dir(run) if main_rank else None
+    paths = _run_paths(cfg, main_rank)
+    run_dir = paths.run_dir if main_rank else None
     if run_dir is not None:
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     logger = RunLogger(run_dir, train_iters, cfg.log.progress_bar, cfg.log.tensorboard)
@@ -208,12 +226,23 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
     schedule = build_lr_schedule(cfg, plan, train_iters)
     decoupled = (build_lr_schedule(cfg, plan, train_iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr)
                  if cfg.optim.decoupled_lr is not None else None)
-    params = (init_sharded(cfg.model, layout.mesh, seed=run.seed) if layout.mesh is not None
-              else model.init(cfg.model, seed=run.seed))
+    params = _initial_params(cfg, layout)
     tx = build_optimizer(cfg, schedule, params, decoupled)
     loss_scale = cfg.precision.loss_scaling()
     dtype = compute_dtype(cfg.precision.compute_dtype)
-    state = TrainState.create(params, tx, seed=run.seed, loss_scale=loss_scale)
+    manager = (CheckpointManager(paths.save_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+               if cfg.checkpoint.save else None)
+    if manager is not None and manager.removed_partial:
+        logger.echo(f"removed unfinished checkpoint saves in {paths.save_dir}: {', '.join(manager.removed_partial)}")
+    restored = restore_state(cfg, TrainState.create(params, tx, seed=run.seed, loss_scale=loss_scale),
+                             paths.load_dir, paths.load_step)
+    state = restored.state
+    start_step, consumed = int(state.step), int(state.consumed_samples)
+    if restored.source is not None:
+        what = "weights only, fresh optimizer (finetune)" if restored.finetune else f"step {start_step}, {consumed} samples consumed"
+        logger.echo(f"loaded checkpoint {restored.source}: {what}")
+        logger.record("resume", start_step, checkpoint=restored.source, consumed_samples=consumed,
+                      finetune=restored.finetune)
     train_step = make_train_step(
         cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule, compute_dtype=dtype,
         loss_scale=loss_scale, calculate_per_token_loss=run.calculate_per_token_loss, compile=run.compile,
@@ -232,6 +261,22 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
         logger.echo(f"validation at step {step}: loss {val_loss:.4f} | ppl {math.exp(min(val_loss, 50.0)):.2f}{note}")
         meter.pause(time.perf_counter() - began)
 
+    committed = manager.last_saved if manager is not None else None
+
+    def note_commits() -> None:
+        """Log the background saves that have been committed since the last call."""
+        nonlocal committed
+        if manager is not None and manager.last_saved != committed:
+            committed = manager.last_saved
+            logger.record("checkpoint", committed, path=manager.path(committed))
+            logger.echo(f"saved checkpoint {manager.path(committed)}")
+
+    def save(step: int) -> None:
+        began = time.perf_counter()
+        manager.save(step, state, files={"config.yaml": config_text(cfg)})
+        note_commits()
+        meter.pause(time.perf_counter() - began)
+
     evaluating = valid_data is not None and run.eval_iters > 0
     eval_batches = _eval_batches(valid_data, cfg, tokenizer, layout) if evaluating else []
 
@@ -240,14 +285,16 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
         return microbatches, _batch(train_data, start, microbatches, cfg, tokenizer, layout)
 
     # The next batches are built on a thread while the step runs.
-    loader = PrefetchLoader(train_batch, plan.samples_before_steps(train_iters)[:-1])
-    meter, interval_losses, consumed, step = _Throughput(), [], 0, 0
+    loader = PrefetchLoader(train_batch, plan.samples_before_steps(max(train_iters - start_step, 0), consumed)[:-1])
+    stop = StopRequests(cfg.checkpoint.exit_signal_handler,
+                        None if run.exit_duration_in_mins is None else 60 * run.exit_duration_in_mins)
+    meter, interval_losses, step, saved_step = _Throughput(), [], start_step, start_step
     exit_reason = "train_iters" if run.train_iters is not None else "train_samples"
     try:
-        if evaluating:
+        if evaluating and start_step == 0:
             validate(0)
         start = time.perf_counter()
-        for step, (microbatches, batch) in enumerate(loader, start=1):
+        for step, (microbatches, batch) in enumerate(loader, start=start_step + 1):
             state, metrics = train_step(state, batch)
             loss = float(metrics["loss"])
             if cfg.precision.check_for_nan_in_loss:
@@ -255,8 +302,8 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
                                       skipped=bool(metrics.get("skipped", 0.0)))
             consumed += microbatches * run.micro_batch_size * layout.data_parallel_size
             interval_losses.append(loss)
-            if step == 1:
-                logger.echo(f"step 1 took {time.perf_counter() - start:.1f} s"
+            if step == start_step + 1:
+                logger.echo(f"step {step} took {time.perf_counter() - start:.1f} s"
                             + (" (compiling the train step included)" if run.compile else ""))
                 meter.reset()
             else:
@@ -286,22 +333,44 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
                 meter.reset()
             if evaluating and (step % run.eval_interval == 0 or step == train_iters):
                 validate(step)
-            if run.exit_duration_in_mins is not None and time.perf_counter() - start > 60 * run.exit_duration_in_mins:
-                exit_reason = "exit_duration_in_mins"
+            if manager is not None:
+                manager.in_flight()
+                note_commits()
+                if cfg.checkpoint.save_interval is not None and step % cfg.checkpoint.save_interval == 0:
+                    save(step)
+                    saved_step = step
+            reason = stop.should_stop()
+            if reason is None and run.exit_interval is not None and step % run.exit_interval == 0:
+                reason = "exit_interval"
+            if reason is not None:
+                exit_reason = reason
                 break
         logger.end_progress()
-        if evaluating and val_losses[-1][0] != step:
+        if manager is not None:
+            if saved_step != step:
+                save(step)
+            manager.wait()
+            note_commits()
+        finished = exit_reason in ("train_iters", "train_samples")
+        if evaluating and finished and (not val_losses or val_losses[-1][0] != step):
             validate(step)
         final_params = full_tensors(state.params) if layout.mesh is not None else state.params
         if cfg.checkpoint.save_weights and run_dir is not None:
             save_weights(final_params, os.path.join(run_dir, "model.safetensors"), {"step": str(step)})
-        sample = _sample_text(final_params, cfg, tokenizer) if run.sample_tokens > 0 and main_rank else None
+        sample = (_sample_text(final_params, cfg, tokenizer)
+                  if run.sample_tokens > 0 and main_rank and finished else None)
         duration = time.perf_counter() - start
         logger.record("end", step, consumed_samples=consumed, duration_s=duration, exit_reason=exit_reason, sample=sample)
-        logger.echo(f"finished {step} steps ({exit_reason}) in {duration:.0f} s; logs: {logger.path}")
+        logger.echo(f"finished at step {step} ({exit_reason}) after {duration:.0f} s; logs: {logger.path}")
         if sample is not None:
             logger.echo(f"sample (temperature 0.8, top-k 40):\n{sample}")
     finally:
+        stop.close()
         loader.close()
+        if manager is not None and manager.in_flight() is not None:
+            try:  # an error is on its way out: still finish the save that was being written
+                manager.wait()
+            except RuntimeError as err:
+                logger.echo(str(err))
         logger.close()
     return RunResult(run_dir, step, consumed, train_losses, val_losses, sample, exit_reason)

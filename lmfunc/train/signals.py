@@ -1,0 +1,63 @@
+"""Stopping a run cleanly: SIGTERM/SIGINT and time limits, agreed on by every rank.
+
+A handler only records that a signal arrived. After each step the loop asks ``should_stop``: the
+local wish (a signal, or the time limit) is all-reduced with MAX over the ranks (Megatron's
+``DistributedSignalHandler``), so when any rank is told to stop, all of them stop after the same
+step, save one consistent checkpoint and exit.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequests:
+    """Installs SIGTERM/SIGINT handlers (``install=True``, main thread only) until ``close``.
+
+    ``time_limit_s``: stop once this many seconds have passed since construction.
+    """
+
+    def __init__(self, install: bool = True, time_limit_s: Optional[float] = None):
+        self.received: Optional[int] = None
+        self.time_limit_s = time_limit_s
+        self._started = time.perf_counter()
+        self._previous: dict[int, object] = {}
+        if install and threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.received = signum
+
+    def _local_reason(self) -> int:
+        """0: go on; 1: a signal arrived; 2: the time limit passed."""
+        if self.received is not None:
+            return 1
+        if self.time_limit_s is not None and time.perf_counter() - self._started > self.time_limit_s:
+            return 2
+        return 0
+
+    def should_stop(self) -> Optional[str]:
+        """``"signal"`` or ``"exit_duration_in_mins"`` when any rank wants to stop, else None
+        (a collective on a process group: every rank calls it after every step)."""
+        reason = self._local_reason()
+        if dist.is_available() and dist.is_initialized():
+            flags = torch.tensor([reason == 1, reason == 2], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            reason = 1 if flags[0] else 2 if flags[1] else 0
+        return {0: None, 1: "signal", 2: "exit_duration_in_mins"}[reason]
+
+    def close(self) -> None:
+        """Put the previous handlers back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
