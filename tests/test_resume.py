@@ -187,7 +187,8 @@ def test_finetune_loads_weights_only(workdir, reference, monkeypatch):
     monkeypatch.setenv("RUNS", str(workdir / "runs"))
     load = str(workdir / "runs" / "reference" / "checkpoints")
     train_main(["--config", str(workdir / "run.yaml"), "--run.name", "finetuned", "--checkpoint.load", load,
-                "--checkpoint.load-step", "10", "--checkpoint.finetune", "--run.train-iters", "3", "--run.no-compile"])
+                "--checkpoint.load-step", "10", "--checkpoint.finetune", "--run.train-iters", "3", "--optim.lr-warmup-iters", "1",
+                "--run.no-compile"])
     records = read_log(str(workdir / "runs" / "finetuned" / "log.jsonl"))
     resume = next(r for r in records if r["kind"] == "resume")
     assert resume["step"] == 0 and resume["finetune"] and resume["checkpoint"].endswith("iter_0000010")
