@@ -1,0 +1,43 @@
+"""Load one checkpoint step into a mesh layout and write the gathered state (rank 0) to a .pt file.
+
+    torchrun --standalone --nproc-per-node N tests/checkpoint_worker.py STEP_DIR LAYOUT OUT.pt
+    LAYOUT: "single" or comma-separated mesh sizes, e.g. "tp=2" or "dp_shard=2,tp=2".
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lmfunc.checkpoint.sharded import load_tree
+from lmfunc.config.train import ParallelConfig
+from lmfunc.parallel.mesh import build_mesh
+from lmfunc.parallel.sharding import full_tensors, init_sharded
+from lmfunc.train.batching import BatchPlan
+from lmfunc.train.checkpointing import saved_config
+from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
+from lmfunc.train.state import TrainState
+from lmfunc.tree import flatten_with_paths
+from lmfunc import model
+
+
+def main(step_dir: str, layout: str, out: str) -> None:
+    sizes = {} if layout == "single" else {k: int(v) for k, v in (item.split("=") for item in layout.split(","))}
+    cfg = saved_config(step_dir)
+    cfg = cfg.replace(parallel=ParallelConfig(**sizes))
+    mesh_layout = build_mesh(cfg.parallel.sizes())
+    params = init_sharded(cfg.model, mesh_layout.mesh, seed=1) if mesh_layout.mesh is not None else model.init(cfg.model, seed=1)
+    plan = BatchPlan.from_config(cfg.run, mesh_layout.data_parallel_size)
+    tx = build_optimizer(cfg, build_lr_schedule(cfg, plan, cfg.run.train_iters), params, None)
+    fresh = TrainState.create(params, tx, seed=0, loss_scale=cfg.precision.loss_scaling())
+    state = load_tree(fresh, step_dir)
+    full = full_tensors(state)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(dict(flatten_with_paths(full)), out)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
