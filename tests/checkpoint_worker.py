@@ -14,7 +14,7 @@ from lmfunc.config.train import ParallelConfig
 from lmfunc.parallel.mesh import build_mesh
 from lmfunc.parallel.sharding import full_tensors, init_sharded
 from lmfunc.train.batching import BatchPlan
-from lmfunc.train.checkpointing import saved_config
+from lmfunc.checkpoint.locate import saved_config
 from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.state import TrainState
 from lmfunc.tree import flatten_with_paths

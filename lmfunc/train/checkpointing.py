@@ -16,15 +16,13 @@ from typing import Optional
 import torch.distributed as dist
 import yaml
 
+from lmfunc.checkpoint.locate import saved_config
 from lmfunc.checkpoint.manager import complete_steps, latest_step, step_dir_name
 from lmfunc.checkpoint.sharded import load_tree
 from lmfunc.config.model import ConfigError, ModelConfig
 from lmfunc.config.train import RunConfig, TrainConfig
-from lmfunc.config.yaml_io import config_to_dict, load_config
+from lmfunc.config.yaml_io import config_to_dict
 from lmfunc.train.state import TrainState
-
-CONFIG_FILE = "config.yaml"
-
 
 def _shape_fields(cfg: ModelConfig) -> dict[str, object]:
     """The model settings that decide parameter names and shapes (defaults resolved), as
@@ -53,14 +51,6 @@ def check_model_matches(saved: ModelConfig, current: ModelConfig, source: str) -
             + ". Use the checkpoint's model settings, or start without it (--checkpoint.no-resume, or another "
             "--checkpoint.load / run.name)"
         )
-
-
-def saved_config(step_dir: str) -> TrainConfig:
-    """The resolved config stored in a checkpoint directory."""
-    path = os.path.join(step_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise ConfigError(f"checkpoint {step_dir} has no {CONFIG_FILE}; it was not written by lmfunc's training loop")
-    return load_config(path)
 
 
 def _run_dir_path(run: RunConfig) -> str:

@@ -20,6 +20,7 @@ import yaml
 
 from lmfunc import model
 from lmfunc.checkpoint import save_weights
+from lmfunc.checkpoint.locate import CONFIG_FILE
 from lmfunc.checkpoint.manager import CheckpointManager
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import RunConfig, TrainConfig
@@ -183,10 +184,10 @@ def _run_paths(cfg: TrainConfig, main_rank: bool) -> RunPaths:
 def _initial_params(cfg: TrainConfig, layout: Layout):
     """Freshly initialised parameters, or those imported from ``checkpoint.load_hf``, in the layout."""
     if cfg.checkpoint.load_hf is not None:
-        from lmfunc.checkpoint.hf import load_hf_llama
+        from lmfunc.checkpoint.hf import load_llama
         from lmfunc.parallel.sharding import shard_params
 
-        params = load_hf_llama(cfg.checkpoint.load_hf, cfg.model)
+        params = load_llama(cfg.checkpoint.load_hf, cfg.model)
         return shard_params(params, cfg.model, layout.mesh) if layout.mesh is not None else params
     if layout.mesh is not None:
         return init_sharded(cfg.model, layout.mesh, seed=cfg.run.seed)
@@ -273,7 +274,7 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
 
     def save(step: int) -> None:
         began = time.perf_counter()
-        manager.save(step, state, files={"config.yaml": config_text(cfg)})
+        manager.save(step, state, files={CONFIG_FILE: config_text(cfg)})
         note_commits()
         meter.pause(time.perf_counter() - began)
 
