@@ -81,6 +81,11 @@ def test_load_hf_starts_training_from_the_imported_weights(trained):
     started = [r for r in read_log(str(trained / "from_hf" / "log.jsonl")) if r["kind"] == "valid"]
     # The imported model's first validation equals the exporting run's last one (same batches).
     assert started[0]["step"] == 0 and started[0]["loss"] == pytest.approx(source[-1]["loss"], rel=1e-6)
+    # Started again, the run resumes from its own checkpoint rather than the HF weights.
+    train_main(TRAIN + ["--run.out-dir", str(trained), "--run.name", "from_hf", "--data.cache-dir", str(trained / "cache"),
+                        "--checkpoint.load-hf", str(trained / "hf2")])
+    resume = [r for r in read_log(str(trained / "from_hf" / "log.jsonl")) if r["kind"] == "resume"]
+    assert [r["step"] for r in resume] == [6] and resume[0]["checkpoint"].endswith("iter_0000006")
 
 
 def test_safetensors_export_is_a_run_directory_for_generate(trained):

@@ -82,7 +82,9 @@ def prepare_run_paths(cfg: TrainConfig) -> RunPaths:
     run_dir = _run_dir_path(cfg.run)
     save_dir = cfg.checkpoint.save_dir or os.path.join(run_dir, "checkpoints")
     load_dir = cfg.checkpoint.load or save_dir
-    step = step_to_load(cfg, load_dir) if cfg.checkpoint.load_hf is None else None
+    # With load_hf the run starts from imported weights, unless it already has checkpoints of its own
+    # (a restart of that run resumes from them).
+    step = step_to_load(cfg, load_dir)
     resuming_here = step is not None and cfg.checkpoint.load is None
     if os.path.exists(os.path.join(run_dir, "log.jsonl")) and not resuming_here:
         raise ConfigError(

@@ -181,9 +181,10 @@ def _run_paths(cfg: TrainConfig, main_rank: bool) -> RunPaths:
     return decision
 
 
-def _initial_params(cfg: TrainConfig, layout: Layout):
-    """Freshly initialised parameters, or those imported from ``checkpoint.load_hf``, in the layout."""
-    if cfg.checkpoint.load_hf is not None:
+def _initial_params(cfg: TrainConfig, layout: Layout, resuming: bool):
+    """Freshly initialised parameters, or those imported from ``checkpoint.load_hf`` (unless the run
+    resumes from its own checkpoint), in the layout."""
+    if cfg.checkpoint.load_hf is not None and not resuming:
         from lmfunc.checkpoint.hf import load_llama
         from lmfunc.parallel.sharding import shard_params
 
@@ -227,7 +228,7 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
     schedule = build_lr_schedule(cfg, plan, train_iters)
     decoupled = (build_lr_schedule(cfg, plan, train_iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr)
                  if cfg.optim.decoupled_lr is not None else None)
-    params = _initial_params(cfg, layout)
+    params = _initial_params(cfg, layout, resuming=paths.load_step is not None)
     tx = build_optimizer(cfg, schedule, params, decoupled)
     loss_scale = cfg.precision.loss_scaling()
     dtype = compute_dtype(cfg.precision.compute_dtype)

@@ -21,7 +21,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopRequests:
-    """Installs SIGTERM/SIGINT handlers (``install=True``, main thread only) until ``close``.
+    """Installs SIGTERM/SIGINT handlers (``install=True``, main thread only) until ``close``. The
+    first signal asks for a clean stop; a second one raises ``KeyboardInterrupt`` at once.
 
     ``time_limit_s``: stop once this many seconds have passed since construction.
     """
@@ -36,6 +37,8 @@ class StopRequests:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.received is not None:  # a second signal: the user insists, stop now without a checkpoint
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without saving a checkpoint")
         self.received = signum
 
     def _local_reason(self) -> int:
