@@ -1,4 +1,6 @@
-"""Saving and loading state: consolidated weights as safetensors (``lmfunc.checkpoint.weights``)."""
+"""Saving and loading state: sharded DCP checkpoints of any pytree (``sharded``), their directories
+(``manager``, ``locate``), HF Llama weights (``hf``), orbax export (``orbax_export``) and consolidated
+safetensors weights (``weights``). Nothing here imports ``lmfunc.train``."""
 
 from lmfunc.checkpoint.weights import load_weights, save_weights
 
