@@ -19,6 +19,7 @@ from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.state import TrainState
 from lmfunc.tree import flatten_with_paths
 from lmfunc import model
+from lmfunc.train.__main__ import exit_without_finalizing
 
 
 def main(step_dir: str, layout: str, out: str) -> None:
@@ -41,3 +42,4 @@ def main(step_dir: str, layout: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_without_finalizing()

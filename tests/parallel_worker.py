@@ -21,6 +21,7 @@ from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
 from lmfunc.parallel.sharding import full_tensors, init_sharded, local_batch_to_dtensor
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import flatten_with_paths
+from lmfunc.train.__main__ import exit_without_finalizing
 from tests.helpers import lm_batch
 
 
@@ -76,3 +77,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -18,6 +19,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_without_finalizing()
+
+
+def exit_without_finalizing() -> None:
+    """Exit 0 now, skipping interpreter finalization. After a finished multi-process run (process
+    group destroyed, logs closed, checkpoints committed), gloo's worker threads can still release
+    tensors while the interpreter shuts down; taking the GIL then aborts the process ("terminate
+    called without an active exception", SIGABRT), which fails the torchrun launch once in a while
+    (see pytorch/pytorch#179291)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
