@@ -185,11 +185,16 @@ def config_to_dict(cfg: TrainConfig) -> dict:
     return _plain(dataclasses.asdict(cfg))
 
 
+def config_yaml(cfg: TrainConfig) -> str:
+    """``cfg`` as YAML text, fields in declaration order."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: TrainConfig, path: str) -> None:
     """Write ``cfg`` to ``path`` as YAML; ``load_config(path)`` gives back an equal config."""
     with open(path, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+        f.write(config_yaml(cfg))
 
 
-__all__ = ["config_to_dict", "dataclass_from_dict", "load_config", "read_yaml", "save_config",
+__all__ = ["config_to_dict", "config_yaml", "dataclass_from_dict", "load_config", "read_yaml", "save_config",
            "train_config_from_dict"]

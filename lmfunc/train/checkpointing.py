@@ -14,14 +14,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
-import yaml
 
 from lmfunc.checkpoint.locate import saved_config
 from lmfunc.checkpoint.manager import complete_steps, latest_step, step_dir_name
 from lmfunc.checkpoint.sharded import load_tree
 from lmfunc.config.model import ConfigError, ModelConfig
 from lmfunc.config.train import RunConfig, TrainConfig
-from lmfunc.config.yaml_io import config_to_dict
 from lmfunc.train.state import TrainState
 
 def _shape_fields(cfg: ModelConfig) -> dict[str, object]:
@@ -150,8 +148,3 @@ def restore_state(cfg: TrainConfig, fresh: TrainState, load_dir: str, step: Opti
     except ValueError as err:
         raise ConfigError(f"{err}. The run's optimizer or precision settings differ from the checkpoint's "
                           "(e.g. loss scaling on/off); match them or use --checkpoint.finetune") from None
-
-
-def config_text(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (stored in every checkpoint)."""
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

@@ -16,15 +16,14 @@ from typing import Optional
 
 import numpy as np
 import torch.distributed as dist
-import yaml
 
 from lmfunc import model
 from lmfunc.checkpoint import save_weights
 from lmfunc.checkpoint.locate import CONFIG_FILE
 from lmfunc.checkpoint.manager import CheckpointManager
 from lmfunc.config.model import ConfigError
-from lmfunc.config.train import RunConfig, TrainConfig
-from lmfunc.config.yaml_io import config_to_dict, save_config
+from lmfunc.config.train import TrainConfig
+from lmfunc.config.yaml_io import config_yaml, save_config
 from lmfunc.data.batch import lm_batch
 from lmfunc.data.loader import PrefetchLoader
 from lmfunc.data.pipeline import build_datasets
@@ -35,7 +34,7 @@ from lmfunc.parallel.mesh import Layout, build_mesh, data_parallel_rank
 from lmfunc.parallel.sharding import full_tensors, init_sharded, local_batch_to_dtensor
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype
 from lmfunc.train.batching import BatchPlan
-from lmfunc.train.checkpointing import RunPaths, broadcast, config_text, prepare_run_paths, restore_state
+from lmfunc.train.checkpointing import RunPaths, broadcast, prepare_run_paths, restore_state
 from lmfunc.train.log import RunLogger
 from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.signals import StopRequests
@@ -207,9 +206,9 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
     paths = _run_paths(cfg, main_rank)
     run_dir = paths.run_dir if main_rank else None
     if run_dir is not None:
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        save_config(cfg, os.path.join(run_dir, CONFIG_FILE))
     logger = RunLogger(run_dir, train_iters, cfg.log.progress_bar, cfg.log.tensorboard)
-    logger.echo("resolved config:\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False).rstrip())
+    logger.echo("resolved config:\n" + config_yaml(cfg).rstrip())
     processes = dist.get_world_size() if dist.is_initialized() else 1
     peak_flops = (cfg.log.peak_flops or measure_matmul_peak_flops()) * processes
     flops_token = flops_per_token(cfg.model, seq)
@@ -275,7 +274,7 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
 
     def save(step: int) -> None:
         began = time.perf_counter()
-        manager.save(step, state, files={CONFIG_FILE: config_text(cfg)})
+        manager.save(step, state, files={CONFIG_FILE: config_yaml(cfg)})
         note_commits()
         meter.pause(time.perf_counter() - began)
 
