@@ -9,7 +9,8 @@ All variants start from the same weights and train on the same batch, so their f
 Reports tokens/s and ms/step (medians), MFU against a measured fp32 matmul peak, peak RSS of the
 worker process (compilation included), step memory (how far RSS rises above its resting level
 during the timed steps; exact with ``--memory-mode``) and compile time (first step minus a steady
-step, with a fresh Inductor cache, so it is a cold compile).
+step, with a fresh Inductor cache, so it is a cold compile; with ``--warm-cache`` it is the time
+to load the cached graphs).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class BenchConfig:
     memory_mode: bool = False
     """Run the workers with glibc's MALLOC_MMAP_THRESHOLD_=65536, so freed tensors go back to the OS
     and RSS follows live tensor memory (the step-memory column is then exact; times are slower)."""
+    warm_cache: bool = False
+    """Run each worker once, untimed, before the measured run with the same Inductor cache, so
+    the measured run loads its compiled graphs instead of compiling them (a restarted job)."""
     variants: tuple[str, ...] = VARIANTS
     json_out: Optional[str] = None
     """Also write the results to this JSON file."""
@@ -252,6 +256,8 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
         args = [sys.executable, "-m", "lmfunc.bench", "--worker", variant]
         for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads", "recompute"):
             args += [f"--{field}", str(getattr(bc, field))]
+        if bc.warm_cache:
+            subprocess.run(args + ["--steps", "1", "--warmup", "0"], env=env, capture_output=True, text=True)
         proc = subprocess.run(args, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker {variant!r} failed:\n{proc.stderr[-3000:]}")
@@ -277,7 +283,8 @@ def main(bc: BenchConfig) -> None:
     tokens = bc.batch * bc.seq
     print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
           f"batch={bc.batch} fp32, {tokens} tokens/step, threads={bc.threads}, recompute={bc.recompute}"
-          + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else ""))
+          + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else "")
+          + (", warm Inductor cache" if bc.warm_cache else ""))
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
     runs: dict[str, list[dict]] = {v: [] for v in bc.variants}
     for r in range(bc.repeats):

@@ -23,6 +23,9 @@ import torch.fx as fx
 from torch._functorch.partitioners import cleanup_recompute_tags, must_recompute
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from lmfunc.train import saved_values
+from lmfunc.train.saved_values import is_backward, tag_recompute
+
 
 def _dropout_p(node: fx.Node) -> float:
     schema = node.target._schema
@@ -49,7 +52,7 @@ def _backward_groups(nodes: list[fx.Node]) -> list[list[fx.Node]]:
     """The nodes each ``torch.autograd.grad`` call produced, in graph order: the connected
     components of the backward nodes (one per microbatch). Inductor's locality reordering may
     interleave forward nodes with them, so position alone does not separate the microbatches."""
-    backward = [node for node in nodes if node.meta.get("autograd_backward", False)]
+    backward = [node for node in nodes if is_backward(node)]
     parent = {node: node for node in backward}
 
     def root(node: fx.Node) -> fx.Node:
@@ -79,12 +82,18 @@ def _backward_groups(nodes: list[fx.Node]) -> list[list[fx.Node]]:
     return list(groups.values())
 
 
-def rematerialize(graph: fx.Graph) -> None:
-    """Recompute every "recompute"-tagged node in each backward group that uses it (in place)."""
+def rematerialize(graph: fx.Graph, choose: bool = True) -> None:
+    """Recompute every "recompute"-tagged node in each backward group that uses it (in place).
+
+    choose: first tag the cheap forward ops whose recomputation shrinks the values kept for the
+        backward (``lmfunc.train.saved_values``), as AOTAutograd's partitioner would.
+    """
+    cleanup_recompute_tags(graph.owning_module, is_default_partition=True)
+    if choose:
+        tag_recompute(graph)
     nodes = list(graph.nodes)
     if not any(must_recompute(node) for node in nodes):
         return
-    cleanup_recompute_tags(graph.owning_module, is_default_partition=True)
     _check_randomness(nodes)
     order = {node: i for i, node in enumerate(nodes)}
     for group in _backward_groups(nodes):
@@ -117,20 +126,25 @@ def rematerialize(graph: fx.Graph) -> None:
 class RematPass(CustomGraphPass):
     """``rematerialize`` as an Inductor ``post_grad_custom_pre_pass``."""
 
+    def __init__(self, choose: bool = True):
+        self.choose = choose
+
     def __call__(self, graph: fx.Graph) -> None:
-        rematerialize(graph)
+        rematerialize(graph, self.choose)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, saved_values.__file__)) + bytes([self.choose])
 
 
-def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor") -> Callable:
+def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
     """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass.
 
     With the Inductor backend the pass runs on the step's graph; other backends get the graph
     without it (recompute tags are then ignored: numerically the same, more memory).
+    choose_saved: recompute cheap forward ops in the backward where that keeps fewer bytes
+        (``lmfunc.train.saved_values``); False keeps every forward value a backward op reads.
     """
-    options = {"post_grad_custom_pre_pass": RematPass()} if backend == "inductor" else None
+    options = {"post_grad_custom_pre_pass": RematPass(choose_saved)} if backend == "inductor" else None
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
 
     def run(*args, **kwargs):

@@ -9,9 +9,9 @@ Multi-token prediction adds its losses through ``attach_aux_loss`` inside ``lm_l
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Union
-
 import contextlib
+import gc
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -70,13 +70,22 @@ def full_metrics(metrics: Metrics) -> Metrics:
 
 def _compile(fn: Callable, compile: bool, backend: Union[str, Callable]) -> Callable:
     """``fn`` (compiled when asked), called inside ``distributed_context`` of its first argument's
-    params (the context is entered outside the compiled region: Dynamo cannot trace it)."""
+    params (the context is entered outside the compiled region: Dynamo cannot trace it). After
+    the first, compiling call the garbage collector runs once."""
     inner = compile_step(fn, backend) if compile else fn
+    collected = not compile
 
     def run(state_or_params, batch):
+        nonlocal collected
         params = state_or_params.params if isinstance(state_or_params, TrainState) else state_or_params
         with distributed_context(params):
-            return inner(state_or_params, batch)
+            out = inner(state_or_params, batch)
+        if not collected:
+            # Compiling leaves tens of MiB of cyclic garbage (graphs and the objects they hold)
+            # that Python's generational collector may not free for a long time.
+            gc.collect()
+            collected = True
+        return out
 
     return run
 
