@@ -51,6 +51,9 @@ class BenchConfig:
     """torch intra-op threads (OMP_NUM_THREADS)."""
     recompute: str = "none"
     """model.recompute_granularity of the func variants: none, selective or full."""
+    ce_chunk: Optional[int] = None
+    """model.cross_entropy_chunk_tokens of the func variants (0: all logits at once); default:
+    ModelConfig's default."""
     memory_mode: bool = False
     """Run the workers with glibc's MALLOC_MMAP_THRESHOLD_=65536, so freed tensors go back to the OS
     and RSS follows live tensor memory (the step-memory column is then exact; times are slower)."""
@@ -72,10 +75,13 @@ class BenchConfig:
 def _model_config(bc: BenchConfig):
     from lmfunc.config import ModelConfig
 
-    return ModelConfig(
+    cfg = ModelConfig(
         vocab_size=bc.vocab, hidden_size=bc.hidden, num_layers=bc.layers, num_attention_heads=bc.heads,
         max_position_embeddings=bc.seq, recompute_granularity=bc.recompute,
     )
+    if bc.ce_chunk is not None:
+        cfg = dataclasses.replace(cfg, cross_entropy_chunk_tokens=bc.ce_chunk)
+    return cfg
 
 
 def _module_step(cfg, params, compiled: bool):
@@ -256,6 +262,8 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
         args = [sys.executable, "-m", "lmfunc.bench", "--worker", variant]
         for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads", "recompute"):
             args += [f"--{field}", str(getattr(bc, field))]
+        if bc.ce_chunk is not None:
+            args += ["--ce-chunk", str(bc.ce_chunk)]
         if bc.warm_cache:
             subprocess.run(args + ["--steps", "1", "--warmup", "0"], env=env, capture_output=True, text=True)
         proc = subprocess.run(args, env=env, capture_output=True, text=True)
@@ -282,7 +290,8 @@ def main(bc: BenchConfig) -> None:
     peak = measure_matmul_peak_flops(threads=bc.threads)
     tokens = bc.batch * bc.seq
     print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
-          f"batch={bc.batch} fp32, {tokens} tokens/step, threads={bc.threads}, recompute={bc.recompute}"
+          f"batch={bc.batch} fp32, {tokens} tokens/step, threads={bc.threads}, recompute={bc.recompute}, "
+          f"cross_entropy_chunk_tokens={cfg.cross_entropy_chunk_tokens}"
           + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else "")
           + (", warm Inductor cache" if bc.warm_cache else ""))
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")

@@ -13,8 +13,11 @@ from typing import Mapping, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from torch.distributed.tensor import DTensor
+
 from lmfunc import model
 from lmfunc.config import ModelConfig
+from lmfunc.head_loss import chunked_head_loss
 from lmfunc.model import mtp
 from lmfunc.model.aux_loss import attach_aux_loss
 from lmfunc.model.layers import upcast
@@ -36,6 +39,20 @@ def masked_cross_entropy(
         return per_token.sum(), count
     mask = loss_mask.flatten().to(per_token.dtype)
     return (per_token * mask).sum(), mask.sum()
+
+
+def head_loss(
+    params: model.gpt.Params, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+    cfg: ModelConfig, grad_hint: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_cross_entropy(model.logits(params, hidden, cfg), labels, loss_mask)``; in chunks of
+    ``cfg.cross_entropy_chunk_tokens`` tokens (``lmfunc.head_loss``, with ``grad_hint``, the
+    gradient the loss sum will receive) unless that is 0 or the head is a DTensor (tensor parallel
+    or FSDP: vocab-parallel cross entropy on the full logits)."""
+    weight = model.gpt.output_weight(params, cfg)
+    if cfg.cross_entropy_chunk_tokens > 0 and not isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
+        return chunked_head_loss(hidden, weight, labels, loss_mask, cfg.cross_entropy_chunk_tokens, grad_hint)
+    return masked_cross_entropy(hidden @ weight, labels, loss_mask)
 
 
 class LossOutput(NamedTuple):
@@ -95,9 +112,14 @@ def lm_losses(
     mtp_grad_scale: when given and ``cfg.mtp_num_layers > 0``, the MTP depths run and their
         objective (``mtp_aux_loss``) is attached to the final hidden states with
         ``attach_aux_loss``, receiving this gradient (the loss scale times the step's
-        normalisation). Without it (evaluation) the MTP depths are skipped.
+        normalisation). Without it (evaluation) the MTP depths are skipped. It is also the range
+        hint of the chunked head (``head_loss``).
     """
     tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch.get("loss_mask")
+    grad_hint = mtp_grad_scale
+    if grad_hint is not None and not calculate_per_token_loss:
+        count = loss_mask.to(torch.float32).sum() if loss_mask is not None else torch.tensor(float(labels.numel()))
+        grad_hint = grad_hint / torch.clamp(count, min=1.0)
     positions, doc_ids = batch.get("position_ids"), batch.get("doc_ids")
     hidden = model.forward(params, tokens, cfg, positions=positions, doc_ids=doc_ids, dropout_seed=dropout_seed)
     mtp_sums, mtp_counts = [], []
@@ -106,13 +128,14 @@ def lm_losses(
         depth_labels, depth_mask = labels, mask
         for h in mtp.forward(params, hidden, tokens, cfg, positions, doc_ids, dropout_seed):
             depth_labels, depth_mask = mtp.roll_left(depth_labels), mtp.roll_left(depth_mask)
-            depth_sum, depth_count = masked_cross_entropy(model.logits(params, h, cfg), depth_labels, depth_mask)
+            depth_hint = grad_hint * (cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)
+            depth_sum, depth_count = head_loss(params, h, depth_labels, depth_mask, cfg, depth_hint)
             mtp_sums.append(depth_sum)
             mtp_counts.append(depth_count)
         sums, counts = torch.stack(mtp_sums), torch.stack(mtp_counts)
         aux = mtp_aux_loss(sums, counts, mask.sum(), cfg, calculate_per_token_loss)
         hidden = attach_aux_loss(hidden, aux, mtp_grad_scale)
-    loss_sum, num_tokens = masked_cross_entropy(model.logits(params, hidden, cfg), labels, loss_mask)
+    loss_sum, num_tokens = head_loss(params, hidden, labels, loss_mask, cfg, grad_hint)
     if not mtp_sums:
         return LossOutput(loss_sum, num_tokens, loss_sum.new_zeros(0), loss_sum.new_zeros(0))
     return LossOutput(loss_sum, num_tokens, sums, counts)

@@ -73,6 +73,11 @@ class ModelConfig:
     recompute_granularity: Literal["none", "selective", "full"] = "none"
     """Activation recompute: 'selective' recomputes the attention core in the backward pass,
     'full' recomputes each whole transformer block (only its input is kept)."""
+    cross_entropy_chunk_tokens: int = 1024
+    """Compute the output layer and its cross entropy this many tokens at a time, with their
+    gradients, so no [tokens, vocab] logits buffer outlives its chunk (``lmfunc.head_loss``;
+    vocabulary tiling). 0 computes all logits at once. Not used with tensor-parallel or FSDP
+    (DTensor) heads, which take the plain path."""
 
     @property
     def query_groups(self) -> int:
@@ -106,6 +111,10 @@ def _require(condition: bool, message: str) -> None:
 
 def validate_model(cfg: ModelConfig) -> None:
     """Raise ``ConfigError`` naming the field(s) and the fix when ``cfg`` is inconsistent."""
+    _require(
+        cfg.cross_entropy_chunk_tokens >= 0,
+        f"model.cross_entropy_chunk_tokens must be >= 0 (0 = all tokens at once), got {cfg.cross_entropy_chunk_tokens}",
+    )
     for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings"):
         value = getattr(cfg, name)
         _require(isinstance(value, int) and value > 0, f"model.{name} must be a positive integer, got {value!r}")
