@@ -57,6 +57,25 @@ def test_compiled_step_equals_eager_and_is_one_graph():
     assert int(compiled_state.step) == 3
 
 
+def test_more_steps_than_dynamos_recompile_limit_each_compile_their_own_graph():
+    """Every built step owns its Dynamo cache: building more steps than ``recompile_limit`` in one
+    process (a learning-rate sweep) neither fails nor falls back, and each step keeps its own lr."""
+    torch._dynamo.reset()
+    batch = lm_batch(TINY.vocab_size, microbatches=1, batch=2, seq=16)
+    params = model.init(TINY, seed=0)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    limit = torch._dynamo.config.recompile_limit
+    moved = []
+    for i in range(limit + 2):
+        tx = adamw(1e-4 * (i + 1), weight_decay=0.0)
+        step = make_train_step(TINY, tx, clip_grad=0.0, backend=counter)
+        state, _ = step(TrainState.create(params, tx), batch)
+        moved.append(float((state.params["embed"]["tokens"] - params["embed"]["tokens"]).abs().max()))
+    assert counter.frame_count == limit + 2
+    # Adam's first update moves each weight by about lr: the steps did not share a cached graph.
+    assert moved == sorted(moved) and moved[-1] > 5 * moved[0]
+
+
 def test_training_lowers_the_loss_on_a_fixed_stream():
     text = open(os.path.join(sysconfig.get_paths()["stdlib"], "this.py"), "rb").read()  # ships with Python
     stream = torch.tensor(list(text), dtype=torch.long) % TINY.vocab_size
