@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 from lmfunc.config.yaml_io import load_config

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 

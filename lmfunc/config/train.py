@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from lmfunc.config.model import ConfigError, ModelConfig
 from lmfunc.optim.schedules import DecayStyle, WSDDecayStyle
+
+if TYPE_CHECKING:
+    from lmfunc.precision import LossScaleConfig
 
 
 @dataclass(frozen=True)
