@@ -32,6 +32,18 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return ((lse - target) * mask).sum(), logits, lse
 
 
+def _logits_gradient(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """``(softmax(logits) - onehot(labels)) * row_scale[:, None]`` for logits ``[C, V]``, written into ``logits``.
+
+    The one-hot term touches one entry per row, so it is subtracted at the label positions instead
+    of being built as a ``[C, V]`` tensor; the chunk's logits are not needed afterwards, so the
+    softmax reuses their buffer (no ``[C, V]`` temporaries when run eagerly).
+    """
+    grad = logits.sub_(lse[:, None]).exp_().mul_(row_scale[:, None])
+    rows = torch.arange(grad.shape[0], device=grad.device)
+    return grad.index_put_((rows, labels.clamp(min=0)), -row_scale.to(grad.dtype), accumulate=True)
+
+
 def _valid_mask(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask * (labels != IGNORE_INDEX).to(mask.dtype)
 
@@ -53,8 +65,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             m = _valid_mask(y, mask[start:start + chunk])
             chunk_loss, logits, lse = _chunk_loss(h, weight, y, m)
             loss = loss + chunk_loss
-            onehot = torch.nn.functional.one_hot(y.clamp(min=0), logits.shape[-1]).to(logits.dtype)
-            grad_logits = ((torch.exp(logits - lse[:, None]) - onehot) * (m * grad_hint)[:, None]).to(hidden.dtype)
+            grad_logits = _logits_gradient(logits, lse, y, m * grad_hint).to(hidden.dtype)
             grad_hidden.append(grad_logits @ weight.t())
             grad_weight = grad_weight + upcast(h.t() @ grad_logits)
         return loss, torch.cat(grad_hidden), grad_weight.to(weight.dtype)
