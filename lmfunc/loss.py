@@ -126,9 +126,13 @@ def lm_losses(
     if cfg.mtp_num_layers > 0 and mtp_grad_scale is not None:
         mask = loss_mask.to(torch.float32) if loss_mask is not None else torch.ones(labels.shape, device=labels.device)
         depth_labels, depth_mask = labels, mask
+        # d(objective)/d(depth k's loss sum), as mtp_aux_loss defines the objective
+        aux_grad = mtp_grad_scale * (cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)
+        if calculate_per_token_loss:
+            aux_grad = aux_grad * mask.sum()
         for h in mtp.forward(params, hidden, tokens, cfg, positions, doc_ids, dropout_seed):
             depth_labels, depth_mask = mtp.roll_left(depth_labels), mtp.roll_left(depth_mask)
-            depth_hint = grad_hint * (cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)
+            depth_hint = aux_grad / torch.clamp(depth_mask.sum(), min=1.0)
             depth_sum, depth_count = head_loss(params, h, depth_labels, depth_mask, cfg, depth_hint)
             mtp_sums.append(depth_sum)
             mtp_counts.append(depth_count)

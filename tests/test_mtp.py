@@ -100,6 +100,28 @@ def test_step_gradients_equal_the_direct_mtp_objective(microbatches, per_token):
         torch.testing.assert_close(metrics[f"mtp_{k}_loss"], value.detach(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("per_token", [True, False])
+def test_chunked_head_gradient_hints_are_exact_for_every_depth(monkeypatch, per_token):
+    """Each chunked head (main and every MTP depth) is told the gradient it will receive, so its
+    backward factor ``incoming / hint`` is 1 (the fp16 range argument of ``head_loss``)."""
+    from lmfunc import head_loss
+
+    factors = []
+    original = head_loss._ChunkedHeadLoss.backward
+
+    def recording_backward(ctx, grad_loss, *rest):
+        factors.append(float(grad_loss / ctx.saved_tensors[2]))
+        return original(ctx, grad_loss, *rest)
+
+    monkeypatch.setattr(head_loss._ChunkedHeadLoss, "backward", staticmethod(recording_backward))
+    batch = lm_batch(MTP.vocab_size, microbatches=2, batch=2, seq=16)
+    tx = record_grads()
+    step = make_train_step(MTP, tx, clip_grad=0.0, calculate_per_token_loss=per_token, compile=False)
+    step(TrainState.create(model.init(MTP, seed=0), tx), batch)
+    assert len(factors) == 2 * (1 + MTP.mtp_num_layers)
+    assert max(abs(f - 1.0) for f in factors) < 1e-6, factors
+
+
 def test_mtp_leaves_the_reported_loss_and_eval_alone():
     base = dataclasses.replace(MTP, mtp_num_layers=0)
     batch = lm_batch(MTP.vocab_size, microbatches=2, batch=2, seq=16)
