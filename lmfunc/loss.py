@@ -125,11 +125,11 @@ def lm_losses(
     mtp_sums, mtp_counts = [], []
     if cfg.mtp_num_layers > 0 and mtp_grad_scale is not None:
         mask = loss_mask.to(torch.float32) if loss_mask is not None else torch.ones(labels.shape, device=labels.device)
-        depth_labels, depth_mask = labels, mask
+        depth_labels, depth_mask, main_count = labels, mask, mask.sum()
         # d(objective)/d(depth k's loss sum), as mtp_aux_loss defines the objective
         aux_grad = mtp_grad_scale * (cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)
         if calculate_per_token_loss:
-            aux_grad = aux_grad * mask.sum()
+            aux_grad = aux_grad * main_count
         for h in mtp.forward(params, hidden, tokens, cfg, positions, doc_ids, dropout_seed):
             depth_labels, depth_mask = mtp.roll_left(depth_labels), mtp.roll_left(depth_mask)
             depth_hint = aux_grad / torch.clamp(depth_mask.sum(), min=1.0)
@@ -137,7 +137,7 @@ def lm_losses(
             mtp_sums.append(depth_sum)
             mtp_counts.append(depth_count)
         sums, counts = torch.stack(mtp_sums), torch.stack(mtp_counts)
-        aux = mtp_aux_loss(sums, counts, mask.sum(), cfg, calculate_per_token_loss)
+        aux = mtp_aux_loss(sums, counts, main_count, cfg, calculate_per_token_loss)
         hidden = attach_aux_loss(hidden, aux, mtp_grad_scale)
     loss_sum, num_tokens = head_loss(params, hidden, labels, loss_mask, cfg, grad_hint)
     if not mtp_sums:
