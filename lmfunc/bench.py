@@ -1,16 +1,18 @@
 """``python -m lmfunc.bench``: train-step throughput of lmfunc's functional step vs an nn.Module baseline.
 
 Variants (each run in its own process, alternated across repeats because this box is noisy):
-  func-eager       lmfunc ``make_train_step(compile=False)``
-  func-compiled    lmfunc ``make_train_step()``: one torch.compile(fullgraph) graph
+  func-eager       lmfunc ``make_train_step(compile=False, donate_state=True)``
+  func-compiled    lmfunc ``make_train_step(donate_state=True)``: one torch.compile(fullgraph) graph
+                   (the state donated, as ``python -m lmfunc.train`` runs it; ``--no-donate`` not)
   module-eager     the same model as an nn.Module, ``loss.backward()``, clip, ``torch.optim.AdamW(fused)``
   module-compiled  the same with ``torch.compile(model)`` and ``torch.compile(optimizer.step)``
 All variants start from the same weights and train on the same batch, so their first losses match.
-Reports tokens/s and ms/step (medians), MFU against a measured fp32 matmul peak, peak RSS of the
-worker process (compilation included), step memory (how far RSS rises above its resting level
-during the timed steps; exact with ``--memory-mode``) and compile time (first step minus a steady
-step, with a fresh Inductor cache, so it is a cold compile; with ``--warm-cache`` it is the time
-to load the cached graphs).
+Reports tokens/s and ms/step (medians), MFU against a measured fp32 matmul peak, peak memory of the
+worker process (compilation included), step memory (how far memory rises above its resting level
+during the timed steps) and compile time (first step minus a steady step, with a fresh Inductor
+cache, so it is a cold compile; with ``--warm-cache`` it is the time to load the cached graphs).
+Memory is the process's RSS on ``--device cpu`` (exact tensor accounting with ``--memory-mode``)
+and the CUDA caching allocator's allocated bytes on ``--device cuda``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class BenchConfig:
     ce_chunk: Optional[int] = None
     """model.cross_entropy_chunk_tokens of the func variants (0: all logits at once); default:
     ModelConfig's default."""
+    device: str = "cpu"
+    """Where the model, batch and optimizer state live: cpu, or cuda (fp32 matmuls without TF32,
+    torch's default; the MFU peak is measured the same way)."""
+    donate: bool = True
+    """func variants: ``make_train_step(donate_state=...)`` (the new state written into the old)."""
     memory_mode: bool = False
     """Run the workers with glibc's MALLOC_MMAP_THRESHOLD_=65536, so freed tensors go back to the OS
     and RSS follows live tensor memory (the step-memory column is then exact; times are slower)."""
@@ -126,14 +133,14 @@ def _module_step(cfg, params, compiled: bool):
             self.final_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
 
         def forward(self, tokens, labels):
-            cos, sin = layers.rope_tables(torch.arange(tokens.shape[1]), cfg)
+            cos, sin = layers.rope_tables(torch.arange(tokens.shape[1], device=tokens.device), cfg)
             x = self.embed(tokens)
             for block in self.blocks:
                 x = block(x, cos, sin)
             logits = self.final_norm(x) @ self.embed.weight.t()
             return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
-    model = GPT()
+    model = GPT().to(params["embed"]["tokens"].device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -163,14 +170,16 @@ def run_worker(bc: BenchConfig) -> dict:
     from lmfunc.optim import adamw
     from lmfunc.train import TrainState, make_train_step
 
+    device = torch.device(bc.device)
     cfg = _model_config(bc)
-    params = model.init(cfg, seed=0)
+    params = model.init(cfg, seed=0, device=device)
     g = torch.Generator().manual_seed(0)
-    stream = torch.randint(0, cfg.vocab_size, (bc.batch, bc.seq + 1), generator=g)
+    stream = torch.randint(0, cfg.vocab_size, (bc.batch, bc.seq + 1), generator=g).to(device)
     tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
     if bc.worker.startswith("func"):
         tx = adamw(1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
-        train_step = make_train_step(cfg, tx, clip_grad=1.0, compile=bc.worker == "func-compiled")
+        train_step = make_train_step(cfg, tx, clip_grad=1.0, compile=bc.worker == "func-compiled",
+                                     donate_state=bc.donate)
         holder = {"state": TrainState.create(params, tx)}
         batch = {"tokens": tokens[None], "labels": labels[None]}
 
@@ -180,17 +189,15 @@ def run_worker(bc: BenchConfig) -> dict:
     else:
         module_step = _module_step(cfg, params, compiled=bc.worker == "module-compiled")
         step = lambda: module_step(tokens, labels)  # noqa: E731
+    del params
 
-    from lmfunc.metrics import memory_stats_mib
-
+    memory = _CudaMemory(device) if device.type == "cuda" else _HostMemory()
     start = time.perf_counter()
     first_loss = float(step())
     first = time.perf_counter() - start
     for _ in range(bc.warmup):
         step()
-    before = memory_stats_mib()
-    resting, peak_so_far = before["rss"], before["peak_rss"]
-    _reset_peak_rss()
+    resting, peak_so_far = memory.resting_and_peak()
     times = []
     for _ in range(bc.steps):
         start = time.perf_counter()
@@ -198,11 +205,51 @@ def run_worker(bc: BenchConfig) -> dict:
         float(loss)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    steps_peak = memory_stats_mib()["peak_rss"]
+    steps_peak = memory.peak()
     return {
         "variant": bc.worker, "first_loss": first_loss, "step_s": median, "compile_s": max(first - median, 0.0),
-        "peak_rss_mib": max(peak_so_far, steps_peak), "step_memory_mib": steps_peak - resting,
+        "peak_mib": max(peak_so_far, steps_peak), "step_memory_mib": steps_peak - resting,
     }
+
+
+class _HostMemory:
+    """The process's RSS in MiB (Linux ``/proc``)."""
+
+    def resting_and_peak(self) -> tuple[float, float]:
+        """(current RSS, peak RSS so far); then restarts the peak counter."""
+        from lmfunc.metrics import memory_stats_mib
+
+        stats = memory_stats_mib()
+        _reset_peak_rss()
+        return stats["rss"], stats["peak_rss"]
+
+    def peak(self) -> float:
+        from lmfunc.metrics import memory_stats_mib
+
+        return memory_stats_mib()["peak_rss"]
+
+
+class _CudaMemory:
+    """Bytes held by live tensors on a CUDA device (the caching allocator's ``allocated``), in MiB."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def resting_and_peak(self) -> tuple[float, float]:
+        """(allocated now, peak allocated so far); then restarts the peak counter."""
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        resting = torch.cuda.memory_allocated(self.device) / 2**20
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return resting, peak
+
+    def peak(self) -> float:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) / 2**20
 
 
 def _reset_peak_rss() -> None:
@@ -260,16 +307,47 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
         args = [sys.executable, "-m", "lmfunc.bench", "--worker", variant]
-        for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads", "recompute"):
+        for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads", "recompute", "device"):
             args += [f"--{field}", str(getattr(bc, field))]
         if bc.ce_chunk is not None:
             args += ["--ce-chunk", str(bc.ce_chunk)]
+        if not bc.donate:
+            args += ["--no-donate"]
         if bc.warm_cache:
             subprocess.run(args + ["--steps", "1", "--warmup", "0"], env=env, capture_output=True, text=True)
         proc = subprocess.run(args, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker {variant!r} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_device(name: str):
+    """``torch.device(name)`` if this process can use it, else exit with what to do."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name!r} is not a device name; use cpu or cuda (or cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name!r}: the benchmark runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name!r}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    return device
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _device_name(device) -> str:
+    import platform
+
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
 
 
 def main(bc: BenchConfig) -> None:
@@ -286,12 +364,14 @@ def main(bc: BenchConfig) -> None:
     if unknown:
         raise SystemExit(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
 
+    device = _check_device(bc.device)
     cfg = _model_config(bc)
-    peak = measure_matmul_peak_flops(threads=bc.threads)
+    peak = measure_matmul_peak_flops(device=device, n=8192 if device.type == "cuda" else 1024, threads=bc.threads)
     tokens = bc.batch * bc.seq
+    where = f"{device.type} ({_device_name(device)}), torch {_torch_version()}"
     print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
-          f"batch={bc.batch} fp32, {tokens} tokens/step, threads={bc.threads}, recompute={bc.recompute}, "
-          f"cross_entropy_chunk_tokens={cfg.cross_entropy_chunk_tokens}"
+          f"batch={bc.batch} fp32, {tokens} tokens/step, {where}, threads={bc.threads}, recompute={bc.recompute}, "
+          f"cross_entropy_chunk_tokens={cfg.cross_entropy_chunk_tokens}, donate_state={bc.donate}"
           + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else "")
           + (", warm Inductor cache" if bc.warm_cache else ""))
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
@@ -302,7 +382,8 @@ def main(bc: BenchConfig) -> None:
             runs[variant].append(_spawn(bc, variant))
             last = runs[variant][-1]
             print(f"  repeat {r + 1} {variant:16s} {last['step_s'] * 1e3:9.1f} ms/step  compile {last['compile_s']:6.1f} s", flush=True)
-    header = (f"{'variant':16s} {'tokens/s':>9s} {'ms/step':>9s} {'MFU':>6s} {'peak RSS':>9s} {'step mem':>9s} "
+    memory = "peak CUDA" if device.type == "cuda" else "peak RSS"
+    header = (f"{'variant':16s} {'tokens/s':>9s} {'ms/step':>9s} {'MFU':>6s} {memory:>9s} {'step mem':>9s} "
               f"{'compile':>8s} {'loss0':>8s}")
     print(header)
     summary = {}
@@ -312,17 +393,18 @@ def main(bc: BenchConfig) -> None:
             "tokens_per_s": tokens / step_s,
             "ms_per_step": step_s * 1e3,
             "mfu": tokens / step_s * flops_per_token(cfg, bc.seq) / peak,
-            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in results),
+            "peak_mib": statistics.median(r["peak_mib"] for r in results),
             "step_memory_mib": statistics.median(r["step_memory_mib"] for r in results),
             "compile_s": statistics.median(r["compile_s"] for r in results),
             "first_loss": results[0]["first_loss"],
         }
         summary[variant] = row
         print(f"{variant:16s} {row['tokens_per_s']:9.0f} {row['ms_per_step']:9.1f} {row['mfu']:6.1%} "
-              f"{row['peak_rss_mib']:8.0f}M {row['step_memory_mib']:8.0f}M {row['compile_s']:7.1f}s {row['first_loss']:8.4f}")
+              f"{row['peak_mib']:8.0f}M {row['step_memory_mib']:8.0f}M {row['compile_s']:7.1f}s {row['first_loss']:8.4f}")
     if bc.json_out:
         with open(bc.json_out, "w") as f:
-            json.dump({"config": dataclasses.asdict(bc), "peak_flops": peak, "results": summary}, f, indent=2)
+            json.dump({"config": dataclasses.asdict(bc), "device": where, "torch": _torch_version(), "peak_flops": peak,
+                   "results": summary}, f, indent=2)
 
 
 if __name__ == "__main__":

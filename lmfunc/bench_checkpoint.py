@@ -7,8 +7,9 @@ AdamW state: params + two moments) and its compiled train step on synthetic toke
 - load: the state loaded back into a fresh one (``load_tree``);
 - async save: ``save`` with training going on. Reported: how long ``save`` blocks the loop, the time
   until the write is committed, and the step time while it is written against steps without a save.
-  Compared with DCP's default stager, which first copies the whole state (lmfunc passes the state
-  itself: the step never writes into its input).
+  Compared with DCP's default stager, which first copies the whole state. The step here is
+  ``make_train_step``'s default, which never writes into its input, so the state itself is passed;
+  the trainer's step donates its state and saves with ``stage=True`` (a copy, as DCP's stager).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 
 from lmfunc import model
 from lmfunc.checkpoint.manager import MARKER, TRACKER, CheckpointManager, latest_step, step_dir_name
-from lmfunc.checkpoint.sharded import load_tree, save_tree, saved_tensors
+from lmfunc.checkpoint.sharded import load_tree, save_tree, saved_tensors, stage_tree
 from lmfunc.config.model import model_preset
 from lmfunc.optim import adamw
 from lmfunc.precision import LossScaleConfig
@@ -89,6 +89,22 @@ def test_async_save_writes_the_state_given_while_training_goes_on(tmp_path):
     assert manager.in_flight() is None and manager.last_saved == 5
     _assert_equal(manager.restore(_state(0), 5), state)
     assert not torch.equal(later.params["embed"]["tokens"], state.params["embed"]["tokens"])
+
+
+def test_staged_async_save_keeps_the_state_given_while_it_is_overwritten_in_place(tmp_path):
+    """A donating train step overwrites the state's tensors during the background write: with
+    stage=True the checkpoint still holds the values handed over."""
+    manager = CheckpointManager(str(tmp_path), async_save=True)
+    state = _state(3)
+    expected = tree_map(torch.clone, state)
+    staged = stage_tree(state)
+    assert all(torch.equal(a, b) and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+               for (_, a), (_, b) in zip(flatten_with_paths(state), flatten_with_paths(staged)))
+    manager.save(5, state, stage=True)
+    for _, leaf in flatten_with_paths(state):
+        leaf.mul_(2) if leaf.is_floating_point() else leaf.add_(1)
+    manager.wait()
+    _assert_equal(manager.restore(_state(0), 5), expected)
 
 
 def test_partial_saves_are_ignored_and_removed(tmp_path):

@@ -10,7 +10,7 @@ from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import GradientTransformation, adamw, warmup_decay_schedule
 from lmfunc.train import TrainState, make_eval_step, make_train_step
-from lmfunc.tree import tree_map, tree_max_abs_diff, tree_zeros_like
+from lmfunc.tree import tree_leaves, tree_map, tree_max_abs_diff, tree_zeros_like
 from tests.helpers import lm_batch
 
 TINY = model_preset("tiny")
@@ -37,24 +37,67 @@ def test_microbatches_give_the_same_loss_and_grads_as_one_batch():
     assert int(split_state.consumed_samples) == 8 and int(split_state.step) == 1
 
 
+def _side_by_side(step_a, step_b, state_a, state_b, keys, tol):
+    """Run both steps over the same 3 batches, asserting the metrics in ``keys`` agree to ``tol``;
+    returns both final states."""
+    for i in range(3):
+        batch = lm_batch(TINY.vocab_size, microbatches=2, batch=2, seq=16, seed=i)
+        state_a, metrics_a = step_a(state_a, batch)
+        state_b, metrics_b = step_b(state_b, batch)
+        for key in keys:
+            torch.testing.assert_close(metrics_b[key], metrics_a[key], rtol=tol, atol=tol)
+    return state_a, state_b
+
+
 def test_compiled_step_equals_eager_and_is_one_graph():
     schedule = warmup_decay_schedule(1e-2, 1e-3, warmup_steps=1, decay_steps=10)
     tx = adamw(schedule, weight_decay=0.1)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     eager = make_train_step(TINY, tx, lr_schedule=schedule, compile=False)
     compiled = make_train_step(TINY, tx, lr_schedule=schedule, backend=counter)
-    eager_state = compiled_state = TrainState.create(model.init(TINY, seed=0), tx)
+    state = TrainState.create(model.init(TINY, seed=0), tx)
     torch._dynamo.utils.counters.clear()
-    for i in range(3):
-        batch = lm_batch(TINY.vocab_size, microbatches=2, batch=2, seq=16, seed=i)
-        eager_state, eager_metrics = eager(eager_state, batch)
-        compiled_state, compiled_metrics = compiled(compiled_state, batch)
-        for key in ("loss", "grad_norm", "lr"):
-            torch.testing.assert_close(compiled_metrics[key], eager_metrics[key], rtol=1e-5, atol=1e-5)
+    eager_state, compiled_state = _side_by_side(eager, compiled, state, state, ("loss", "grad_norm", "lr"), 1e-5)
     assert tree_max_abs_diff(compiled_state.params, eager_state.params) < 1e-5
     assert counter.frame_count == 1, "the train step must compile to exactly one graph"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert int(compiled_state.step) == 3
+
+
+def test_donating_step_updates_the_state_in_place_and_equals_the_plain_step():
+    """donate_state=True writes the new params and Adam moments into the input state's tensors
+    (one graph, no breaks) and trains exactly as the step that returns new tensors."""
+    tx = adamw(1e-2, weight_decay=0.1)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    plain = make_train_step(TINY, tx)
+    donating = make_train_step(TINY, tx, backend=counter, donate_state=True)
+    first = TrainState.create(model.init(TINY, seed=0), tx)
+    torch._dynamo.utils.counters.clear()
+    plain_state, donated_state = _side_by_side(
+        plain, donating, TrainState.create(model.init(TINY, seed=0), tx), first, ("loss", "grad_norm"), 1e-6)
+    assert tree_max_abs_diff(donated_state.params, plain_state.params) < 1e-6
+    assert tree_max_abs_diff(donated_state.opt_state, plain_state.opt_state) < 1e-6
+    donated = tree_leaves((donated_state.params, donated_state.opt_state))
+    assert all(after is before for before, after in zip(tree_leaves((first.params, first.opt_state)), donated))
+    assert counter.frame_count == 1
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert int(donated_state.step) == 3
+
+    eager_state = TrainState.create(model.init(TINY, seed=0), tx)
+    eager_donated = TrainState.create(model.init(TINY, seed=0), tx)
+    batch = lm_batch(TINY.vocab_size, microbatches=2, batch=2, seq=16)
+    eager_state, _ = make_train_step(TINY, tx, compile=False)(eager_state, batch)
+    eager_donated, _ = make_train_step(TINY, tx, compile=False, donate_state=True)(eager_donated, batch)
+    assert tree_max_abs_diff(eager_donated.params, eager_state.params) == 0.0
+
+
+def test_donating_step_refuses_leaves_that_share_storage():
+    tx = adamw(1e-3)
+    params = model.init(TINY, seed=0)
+    params["final_norm"] = {"scale": params["layers"]["0"]["attn_norm"]["scale"]}
+    step = make_train_step(TINY, tx, compile=False, donate_state=True)
+    with pytest.raises(ValueError, match=r"layers\.0\.attn_norm\.scale.*final_norm\.scale.*share storage"):
+        step(TrainState.create(params, tx), lm_batch(TINY.vocab_size, 1, 2, 8))
 
 
 def test_more_steps_than_dynamos_recompile_limit_each_compile_their_own_graph():

@@ -128,10 +128,11 @@ class CheckpointManager:
     def latest(self) -> Optional[int]:
         return latest_step(self.directory)
 
-    def save(self, step: int, tree: PyTree, files: Optional[dict[str, str]] = None) -> None:
+    def save(self, step: int, tree: PyTree, files: Optional[dict[str, str]] = None, stage: bool = False) -> None:
         """Checkpoint ``tree`` as step ``step``, with ``files`` (name -> text) written beside the
         shards by rank 0. With async_save the tensors of ``tree`` must stay unmodified until the
-        save completes (lmfunc's train step only ever makes new tensors)."""
+        save completes, unless ``stage`` copies them first (needed when the next train step
+        donates its state: ``make_train_step(donate_state=True)``)."""
         self.wait()
         tmp = self.path(step) + ".tmp"
         if _rank() == 0:
@@ -149,7 +150,7 @@ class CheckpointManager:
             self.last_saved = step
 
         if self.async_save:
-            self._pending = (step, async_save_tree(tree, tmp, self.process_group), finish)
+            self._pending = (step, async_save_tree(tree, tmp, self.process_group, stage=stage), finish)
         else:
             save_tree(tree, tmp, self.process_group)
             finish()

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lmfunc.tree import PyTree, flatten_with_paths, tree_flatten, tree_unflatten
+from lmfunc.tree import PyTree, flatten_with_paths, tree_flatten, tree_map, tree_unflatten
 
 # DCP warns on every single-process save/load (including those on its background thread) that it
 # assumes a single process; that is the intent here, so the warning is noise.
@@ -36,9 +36,8 @@ def to_state_dict(tree: PyTree) -> dict[str, torch.Tensor]:
 
 
 class _Unstaged:
-    """DCP's ``AsyncStager`` protocol without a copy: lmfunc's train step never writes into its input
-    state (it returns new tensors), so the state handed to ``async_save`` stays unchanged while it
-    is written, and staging it into a second copy would only cost time and memory."""
+    """DCP's ``AsyncStager`` protocol without a copy of its own: ``async_save_tree`` either writes
+    tensors that nobody modifies meanwhile, or has already copied them (``stage=True``)."""
 
     _synchronize_after_execute = False
 
@@ -61,10 +60,23 @@ def save_tree(tree: PyTree, path: str, process_group: Optional[dist.ProcessGroup
     dcp.save(to_state_dict(tree), checkpoint_id=path, process_group=process_group, no_dist=not _distributed())
 
 
-def async_save_tree(tree: PyTree, path: str, process_group: Optional[dist.ProcessGroup] = None) -> Future:
-    """Start writing ``tree`` to ``path`` on a background thread and return its future. The caller
-    must not modify the tensors of ``tree`` in place until the future is done. With several ranks,
-    ``process_group`` should be a group used by nothing else (the write runs collectives)."""
+def stage_tree(tree: PyTree) -> PyTree:
+    """A copy of every tensor leaf of ``tree`` (DTensors shard by shard, on the same device)."""
+    return tree_map(lambda leaf: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf, tree)
+
+
+def async_save_tree(tree: PyTree, path: str, process_group: Optional[dist.ProcessGroup] = None,
+                    stage: bool = False) -> Future:
+    """Start writing ``tree`` to ``path`` on a background thread and return its future.
+
+    stage: copy the tensors first (``stage_tree``), so the caller may overwrite them in place (a
+        train step built with ``donate_state=True``) while the write runs; the copy lives until the
+        write is done. Without it the caller must not modify the tensors of ``tree`` in place until
+        the future is done.
+    With several ranks, ``process_group`` should be a group used by nothing else (the write runs
+    collectives)."""
+    if stage:
+        tree = stage_tree(tree)
     return dcp.async_save(to_state_dict(tree), checkpoint_id=path, process_group=process_group,
                           async_stager=_Unstaged(), no_dist=not _distributed())
 

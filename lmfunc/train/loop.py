@@ -247,6 +247,7 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
     train_step = make_train_step(
         cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule, compute_dtype=dtype,
         loss_scale=loss_scale, calculate_per_token_loss=run.calculate_per_token_loss, compile=run.compile,
+        donate_state=True,
     )
     eval_step = make_eval_step(cfg.model, compute_dtype=dtype, compile=run.compile)
 
@@ -274,7 +275,7 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
 
     def save(step: int) -> None:
         began = time.perf_counter()
-        manager.save(step, state, files={CONFIG_FILE: config_yaml(cfg)})
+        manager.save(step, state, files={CONFIG_FILE: config_yaml(cfg)}, stage=True)  # the next step donates state
         note_commits()
         meter.pause(time.perf_counter() - began)
 

@@ -26,7 +26,7 @@ from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tr
 from lmfunc.train.remat import compile_step
 from lmfunc.train.state import TrainState
 from lmfunc.parallel.sharding import match_placements
-from lmfunc.tree import tree_flatten, tree_leaves, tree_unflatten
+from lmfunc.tree import PyTree, flatten_with_paths, tree_flatten, tree_leaves, tree_unflatten
 
 Batch = Mapping[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor]
@@ -99,8 +99,8 @@ def make_eval_step(
 
     def eval_step(params, batch: Batch) -> Metrics:
         params = cast_params(params, compute_dtype)
-        loss_sum = torch.zeros((), dtype=torch.float32)
-        num_tokens = torch.zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=batch["tokens"].device)
+        num_tokens = torch.zeros((), dtype=torch.float32, device=batch["tokens"].device)
         for i in range(batch["tokens"].shape[0]):
             out = loss_fn(params, {k: v[i] for k, v in batch.items()}, cfg)
             loss_sum, num_tokens = loss_sum + out.loss_sum, num_tokens + out.num_tokens
@@ -121,6 +121,7 @@ def make_train_step(
     calculate_per_token_loss: bool = True,
     compile: bool = True,
     backend: Union[str, Callable] = "inductor",
+    donate_state: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build ``step(state, batch) -> (state, metrics)``.
 
@@ -139,6 +140,12 @@ def make_train_step(
         ``TrainState.create(..., loss_scale=...)``. A step with non-finite gradients leaves the
         params and optimizer state untouched and counts as skipped.
     compile/backend: compile the whole step with ``torch.compile(fullgraph=True)`` and this backend.
+    donate_state: write the new params and optimizer state into the input state's tensors
+        (JAX's ``donate_argnums``) and return a state holding those same tensors. Compiled, the
+        update then happens in place: the step needs no second copy of params + Adam moments
+        (3 x the fp32 parameter bytes), which is its peak when parameters outweigh a
+        microbatch's activations. The input state must not be used afterwards, and the donated
+        tensors must not share storage (a ``ValueError`` says which do).
     Metrics: ``loss`` (main next-token loss, per-token mean), ``grad_norm`` (before clipping),
     ``num_tokens``, ``lr``; with loss scaling ``loss_scale`` (used by this step) and ``skipped``
     (1.0 when skipped); with MTP ``mtp_<k>_loss`` (per-token mean of depth k = 1..D).
@@ -160,16 +167,17 @@ def make_train_step(
         if loss_scale is not None and state.loss_scale is None:
             raise ValueError("make_train_step(loss_scale=...) needs a state made with TrainState.create(..., loss_scale=...)")
         num_micro, micro_batch = batch["tokens"].shape[:2]
+        device = batch["tokens"].device
         if "loss_mask" in batch:
             num_tokens = batch["loss_mask"].to(torch.float32).sum()
         else:
-            num_tokens = torch.tensor(float(batch["tokens"].numel()))
+            num_tokens = torch.tensor(float(batch["tokens"].numel()), device=device)
         denominator = torch.clamp(num_tokens, min=1.0)
-        normaliser = 1.0 / denominator if calculate_per_token_loss else torch.tensor(1.0 / num_micro)
+        normaliser = 1.0 / denominator if calculate_per_token_loss else torch.tensor(1.0 / num_micro, device=device)
         scale = state.loss_scale.scale if loss_scale is not None else None
         grad_scale = normaliser * scale if scale is not None else normaliser
-        loss_total = torch.zeros((), dtype=torch.float32)
-        mtp_sums = mtp_counts = torch.zeros(cfg.mtp_num_layers)
+        loss_total = torch.zeros((), dtype=torch.float32, device=device)
+        mtp_sums = mtp_counts = torch.zeros(cfg.mtp_num_layers, device=device)
         grad_leaves, spec = None, None
         for i in range(num_micro):
             micro = {k: v[i] for k, v in batch.items()}
@@ -207,6 +215,9 @@ def make_train_step(
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(optimizer_steps)
         metrics = full_metrics(metrics)
+        if donate_state:
+            params = _write_into(state.params, params)
+            opt_state = _write_into(state.opt_state, opt_state)
         new_state = state.replace(
             params=params,
             opt_state=opt_state,
@@ -216,4 +227,40 @@ def make_train_step(
         )
         return new_state, metrics
 
-    return _compile(train_step, compile, backend)
+    compiled = _compile(train_step, compile, backend)
+    if not donate_state:
+        return compiled
+
+    def donating_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        check_no_shared_storage((state.params, state.opt_state))
+        return compiled(state, batch)
+
+    return donating_step
+
+
+def _write_into(old: PyTree, new: PyTree) -> PyTree:
+    """Copy every tensor leaf of ``new`` into the matching leaf of ``old`` (in place); returns ``old``."""
+    for target, value in zip(tree_leaves(old), tree_leaves(new)):
+        if isinstance(target, torch.Tensor) and target is not value:
+            target.copy_(value)
+    return old
+
+
+def check_no_shared_storage(tree: PyTree) -> None:
+    """Raise a ``ValueError`` naming two leaves of ``tree`` that share storage: a donating step
+    would write two different new values into one tensor."""
+    seen: dict[tuple, str] = {}
+    for path, leaf in flatten_with_paths(tree):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+        if local.untyped_storage().nbytes() == 0:
+            continue
+        key = (local.device, local.untyped_storage().data_ptr())
+        if key in seen:
+            raise ValueError(
+                f"make_train_step(donate_state=True): state leaves {seen[key]!r} and {path!r} share storage, so the "
+                "in-place update would write both into one tensor; give each leaf its own tensor (.clone()) "
+                "or build the step with donate_state=False"
+            )
+        seen[key] = path
