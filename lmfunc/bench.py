@@ -336,12 +336,6 @@ def _check_device(name: str):
     return device
 
 
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
-
-
 def _device_name(device) -> str:
     import platform
 
@@ -351,6 +345,8 @@ def _device_name(device) -> str:
 
 
 def main(bc: BenchConfig) -> None:
+    import torch
+
     from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops
 
     if bc.worker is not None:
@@ -368,7 +364,7 @@ def main(bc: BenchConfig) -> None:
     cfg = _model_config(bc)
     peak = measure_matmul_peak_flops(device=device, n=8192 if device.type == "cuda" else 1024, threads=bc.threads)
     tokens = bc.batch * bc.seq
-    where = f"{device.type} ({_device_name(device)}), torch {_torch_version()}"
+    where = f"{device.type} ({_device_name(device)}), torch {torch.__version__}"
     print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
           f"batch={bc.batch} fp32, {tokens} tokens/step, {where}, threads={bc.threads}, recompute={bc.recompute}, "
           f"cross_entropy_chunk_tokens={cfg.cross_entropy_chunk_tokens}, donate_state={bc.donate}"
@@ -403,8 +399,8 @@ def main(bc: BenchConfig) -> None:
               f"{row['peak_mib']:8.0f}M {row['step_memory_mib']:8.0f}M {row['compile_s']:7.1f}s {row['first_loss']:8.4f}")
     if bc.json_out:
         with open(bc.json_out, "w") as f:
-            json.dump({"config": dataclasses.asdict(bc), "device": where, "torch": _torch_version(), "peak_flops": peak,
-                   "results": summary}, f, indent=2)
+            json.dump({"config": dataclasses.asdict(bc), "device": where, "peak_flops": peak, "results": summary},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

@@ -246,17 +246,27 @@ def _write_into(old: PyTree, new: PyTree) -> PyTree:
     return old
 
 
+def _storage_key(leaf) -> Optional[tuple]:
+    """(device, storage address) of a tensor leaf's (local) storage; None for non-tensors and empty storage."""
+    if not isinstance(leaf, torch.Tensor):
+        return None
+    local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+    storage = local.untyped_storage()
+    return (local.device, storage.data_ptr()) if storage.nbytes() else None
+
+
 def check_no_shared_storage(tree: PyTree) -> None:
     """Raise a ``ValueError`` naming two leaves of ``tree`` that share storage: a donating step
-    would write two different new values into one tensor."""
+    would write two different new values into one tensor. Runs before every donating step, so the
+    paths are only built when two leaves do share."""
+    keys = [key for key in map(_storage_key, tree_leaves(tree)) if key is not None]
+    if len(set(keys)) == len(keys):
+        return
     seen: dict[tuple, str] = {}
     for path, leaf in flatten_with_paths(tree):
-        if not isinstance(leaf, torch.Tensor):
+        key = _storage_key(leaf)
+        if key is None:
             continue
-        local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
-        if local.untyped_storage().nbytes() == 0:
-            continue
-        key = (local.device, local.untyped_storage().data_ptr())
         if key in seen:
             raise ValueError(
                 f"make_train_step(donate_state=True): state leaves {seen[key]!r} and {path!r} share storage, so the "
