@@ -5,6 +5,8 @@ import sysconfig
 import pytest
 import torch
 import torch._dynamo.testing
+import torch._inductor.config
+from torch._inductor import metrics as inductor_metrics
 
 from lmfunc import model
 from lmfunc.config import model_preset
@@ -78,7 +80,8 @@ def test_donating_step_updates_the_state_in_place_and_equals_the_plain_step():
     assert tree_max_abs_diff(donated_state.params, plain_state.params) < 1e-6
     assert tree_max_abs_diff(donated_state.opt_state, plain_state.opt_state) < 1e-6
     donated = tree_leaves((donated_state.params, donated_state.opt_state))
-    assert all(after is before for before, after in zip(tree_leaves((first.params, first.opt_state)), donated))
+    before = tree_leaves((first.params, first.opt_state))
+    assert all((after is old) == (old.dim() > 0) for old, after in zip(before, donated))
     assert counter.frame_count == 1
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert int(donated_state.step) == 3
@@ -89,6 +92,26 @@ def test_donating_step_updates_the_state_in_place_and_equals_the_plain_step():
     eager_state, _ = make_train_step(TINY, tx, compile=False)(eager_state, batch)
     eager_donated, _ = make_train_step(TINY, tx, compile=False, donate_state=True)(eager_donated, batch)
     assert tree_max_abs_diff(eager_donated.params, eager_state.params) == 0.0
+
+
+def test_donating_step_lowers_to_no_more_inductor_nodes_than_the_plain_step():
+    """Writing the new state into the old one must not make Inductor materialise the optimizer's
+    intermediate values: each Adam moment's last op reads the old moment first (so it becomes one
+    in-place update) and the 0-dim counters are not written into. Before, the donating step
+    lowered to 17% more IR nodes on this model (about 2x on others) and recomputed the moments
+    inside each parameter update."""
+    tx = adamw(1e-2, weight_decay=0.1)
+    batch = lm_batch(TINY.vocab_size, microbatches=1, batch=2, seq=16)
+    nodes = {}
+    for donate in (False, True):
+        step = make_train_step(TINY, tx, donate_state=donate)
+        state = TrainState.create(model.init(TINY, seed=0), tx)
+        inductor_metrics.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            step(state, batch)
+        nodes[donate] = inductor_metrics.ir_nodes_pre_fusion
+    assert nodes[False] > 0
+    assert nodes[True] <= 1.05 * nodes[False], nodes
 
 
 def test_donating_step_refuses_leaves_that_share_storage():

@@ -141,7 +141,8 @@ def make_train_step(
         params and optimizer state untouched and counts as skipped.
     compile/backend: compile the whole step with ``torch.compile(fullgraph=True)`` and this backend.
     donate_state: write the new params and optimizer state into the input state's tensors
-        (JAX's ``donate_argnums``) and return a state holding those same tensors. Compiled, the
+        (JAX's ``donate_argnums``) and return a state holding those same tensors (0-dim
+        leaves, the update counters, come back as new tensors). Compiled, the
         update then happens in place: the step needs no second copy of params + Adam moments
         (3 x the fp32 parameter bytes), which is its peak when parameters outweigh a
         microbatch's activations. The input state must not be used afterwards, and the donated
@@ -238,17 +239,30 @@ def make_train_step(
     return donating_step
 
 
+def _is_donated(leaf) -> bool:
+    """Whether a donating step writes into this leaf: every tensor but 0-dim ones (the update
+    counters). Every update op reads the counters, so writing into them would make Inductor
+    materialise each such op's value before the write (about twice the IR nodes to compile),
+    and keeping them saves nothing."""
+    return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+
+
 def _write_into(old: PyTree, new: PyTree) -> PyTree:
-    """Copy every tensor leaf of ``new`` into the matching leaf of ``old`` (in place); returns ``old``."""
-    for target, value in zip(tree_leaves(old), tree_leaves(new)):
-        if isinstance(target, torch.Tensor) and target is not value:
+    """Copy every donated leaf of ``new`` into the matching leaf of ``old`` (in place). Returns the
+    tree of ``old``'s donated leaves and ``new``'s other leaves."""
+    old_leaves, spec = tree_flatten(old)
+    merged = []
+    for target, value in zip(old_leaves, tree_leaves(new)):
+        if _is_donated(target) and target is not value:
             target.copy_(value)
-    return old
+            value = target
+        merged.append(value)
+    return tree_unflatten(merged, spec)
 
 
 def _storage_key(leaf) -> Optional[tuple]:
-    """(device, storage address) of a tensor leaf's (local) storage; None for non-tensors and empty storage."""
-    if not isinstance(leaf, torch.Tensor):
+    """(device, storage address) of a donated leaf's (local) storage; None for other leaves and empty storage."""
+    if not _is_donated(leaf):
         return None
     local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
     storage = local.untyped_storage()
