@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import os
 import sysconfig
 
@@ -94,24 +95,63 @@ def test_donating_step_updates_the_state_in_place_and_equals_the_plain_step():
     assert tree_max_abs_diff(eager_donated.params, eager_state.params) == 0.0
 
 
+def _plain_and_donated(cfg, measure) -> dict:
+    """``{donate: measure(step, state)}`` for the compiled plain (False) and donating (True) step,
+    each compiled afresh (FX graph cache off) from the same initial state."""
+    tx = adamw(1e-2, weight_decay=0.1)
+    results = {}
+    for donate in (False, True):
+        step = make_train_step(cfg, tx, donate_state=donate)
+        state = TrainState.create(model.init(cfg, seed=0), tx)
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            results[donate] = measure(step, state)
+    return results
+
+
 def test_donating_step_lowers_to_no_more_inductor_nodes_than_the_plain_step():
     """Writing the new state into the old one must not make Inductor materialise the optimizer's
     intermediate values: each Adam moment's last op reads the old moment first (so it becomes one
     in-place update) and the 0-dim counters are not written into. Before, the donating step
     lowered to 17% more IR nodes on this model (about 2x on others) and recomputed the moments
     inside each parameter update."""
-    tx = adamw(1e-2, weight_decay=0.1)
     batch = lm_batch(TINY.vocab_size, microbatches=1, batch=2, seq=16)
-    nodes = {}
-    for donate in (False, True):
-        step = make_train_step(TINY, tx, donate_state=donate)
-        state = TrainState.create(model.init(TINY, seed=0), tx)
+
+    def ir_nodes(step, state) -> int:
         inductor_metrics.reset()
-        with torch._inductor.config.patch(fx_graph_cache=False):
-            step(state, batch)
-        nodes[donate] = inductor_metrics.ir_nodes_pre_fusion
+        step(state, batch)
+        return inductor_metrics.ir_nodes_pre_fusion
+
+    nodes = _plain_and_donated(TINY, ir_nodes)
     assert nodes[False] > 0
     assert nodes[True] <= 1.05 * nodes[False], nodes
+
+
+def test_donating_step_needs_no_more_memory_than_the_plain_step(tmp_path):
+    """Writing into the parameters must not cost Inductor's in-place reuse of the buffers made by ops
+    that read them (``lmfunc.train.inplace_reuse``). Without it the softmax gradient of each logits
+    chunk gets a new buffer next to the chunk's logits, and this donating step peaks 2.6% above the
+    plain one (5.55 against 5.41 MB); with it, 1.8% below."""
+    cfg = dataclasses.replace(TINY, vocab_size=2048)
+    batch = lm_batch(cfg.vocab_size, microbatches=1, batch=4, seq=64)
+
+    def steady_peak_bytes(step, state) -> int:
+        """Peak bytes allocated during one call of the compiled step above what was live before it
+        (the allocation events of ``torch.profiler``)."""
+        state, _ = step(state, batch)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step(state, batch)
+        trace = tmp_path / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+        live = peak = 0
+        for event in sorted(events, key=lambda e: e["ts"]):
+            live += event["args"]["Bytes"]
+            peak = max(peak, live)
+        return peak
+
+    peaks = _plain_and_donated(cfg, steady_peak_bytes)
+    assert peaks[False] > 0
+    assert peaks[True] <= peaks[False], peaks
 
 
 def test_donating_step_refuses_leaves_that_share_storage():

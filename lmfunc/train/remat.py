@@ -16,6 +16,7 @@ built-in pass off for the step and installs this one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Callable, Union
@@ -25,7 +26,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import cleanup_recompute_tags, must_recompute
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from lmfunc.train import saved_values
+from lmfunc.train import inplace_reuse, saved_values
 from lmfunc.train.saved_values import is_backward, tag_recompute
 
 
@@ -135,7 +136,7 @@ class RematPass(CustomGraphPass):
         rematerialize(graph, self.choose)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, saved_values.__file__)) + bytes([self.choose])
+        return get_hash_for_files((__file__, saved_values.__file__, inplace_reuse.__file__)) + bytes([self.choose])
 
 
 def with_own_code(fn: Callable) -> Callable:
@@ -160,16 +161,20 @@ def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choos
     Each call compiles a copy of ``fn`` with its own code object (``with_own_code``): steps built
     from the same function never share, or exhaust, one Dynamo cache.
 
-    With the Inductor backend the pass runs on the step's graph; other backends get the graph
-    without it (recompute tags are then ignored: numerically the same, more memory).
+    With the Inductor backend the pass runs on the step's graph, and Inductor keeps its in-place
+    buffer reuse although the graph writes into its inputs (``lmfunc.train.inplace_reuse``); other
+    backends get the graph without either (recompute tags are then ignored: numerically the same,
+    more memory).
     choose_saved: recompute cheap forward ops in the backward where that keeps fewer bytes
         (``lmfunc.train.saved_values``); False keeps every forward value a backward op reads.
     """
     options = {"post_grad_custom_pre_pass": RematPass(choose_saved)} if backend == "inductor" else None
     compiled = torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend, options=options)
 
+    inplace = inplace_reuse.inplace_reuse_despite_input_writes if backend == "inductor" else contextlib.nullcontext
+
     def run(*args, **kwargs):
-        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False):
+        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), inplace():
             return compiled(*args, **kwargs)
 
     return run
