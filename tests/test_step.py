@@ -195,6 +195,8 @@ def test_write_into_refuses_an_update_that_changes_the_state_structure():
     with pytest.raises(ValueError, match=r"another structure \(2 leaves for 1,"):
         _write_into(_Box(torch.zeros(2)), (torch.zeros(2), torch.zeros(2)))
     old = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    with pytest.raises(ValueError, match="non-tensor leaves"):
+        _write_into({"b": torch.zeros(2)}, {"b": None})
     for new in ({"a": torch.ones(2)}, {"b": torch.ones(2), "a": torch.ones(2)}, {"a": torch.ones(2), "c": torch.ones(2)}):
         with pytest.raises(ValueError, match="another structure"):
             _write_into(old, new)
