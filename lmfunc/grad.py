@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch._dynamo
 
-from lmfunc.tree import PyTree, tree_flatten, tree_map, tree_unflatten
+from lmfunc.tree import PyTree, tree_leaves, tree_map, tree_unflatten_as
 
 torch._dynamo.config.trace_autograd_ops = True
 
@@ -37,13 +37,13 @@ def value_and_grad(
     """
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
-        leaves, spec = tree_flatten(args[argnum])
+        leaves = tree_leaves(args[argnum])
         differentiable = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
         inputs = [
             x.detach().requires_grad_(True) if diff else x for x, diff in zip(leaves, differentiable)
         ]
         new_args = list(args)
-        new_args[argnum] = tree_unflatten(inputs, spec)
+        new_args[argnum] = tree_unflatten_as(args[argnum], inputs)
         with torch.enable_grad():
             out = fn(*new_args, **kwargs)
             value, aux = out if has_aux else (out, None)
@@ -57,7 +57,7 @@ def value_and_grad(
             wrt = [x for x, diff in zip(inputs, differentiable) if diff]
             grads_wrt = torch.autograd.grad(value, wrt, allow_unused=True, materialize_grads=True)
         grad_iter = iter(grads_wrt)
-        grads = tree_unflatten([next(grad_iter) if diff else None for diff in differentiable], spec)
+        grads = tree_unflatten_as(args[argnum], [next(grad_iter) if diff else None for diff in differentiable])
         value = value.detach()
         if has_aux:
             return (value, tree_map(_detach, aux)), grads

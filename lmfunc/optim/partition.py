@@ -13,7 +13,7 @@ import fnmatch
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Sequence, Union
 
 from lmfunc.optim.transforms import GradientTransformation, _resolve_mask
-from lmfunc.tree import PyTree, tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
+from lmfunc.tree import PyTree, tree_leaves, tree_map_with_path, tree_unflatten_as
 
 Labels = Union[PyTree, Callable[[PyTree], PyTree]]
 
@@ -41,14 +41,14 @@ def masked(inner: GradientTransformation, mask: Union[PyTree, Callable[[PyTree],
         return MaskedState(inner.init(_select(tree_leaves(params), chosen)))
 
     def update(updates: PyTree, state: MaskedState, params: Optional[PyTree] = None):
-        leaves, spec = tree_flatten(updates)
+        leaves = tree_leaves(updates)
         reference = params if params is not None else updates
         chosen = [i for i, f in enumerate(_resolve_mask(mask, reference)) if f]
         param_leaves = tree_leaves(params) if params is not None else None
         new, inner_state = inner.update(_select(leaves, chosen), state.inner_state, _select(param_leaves, chosen))
         for i, value in zip(chosen, new):
             leaves[i] = value
-        return tree_unflatten(leaves, spec), MaskedState(inner_state)
+        return tree_unflatten_as(updates, leaves), MaskedState(inner_state)
 
     return GradientTransformation(init, update)
 
@@ -83,7 +83,7 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], label
                                     for label, idx in groups(params).items()})
 
     def update(updates: PyTree, state: MultiTransformState, params: Optional[PyTree] = None):
-        leaves, spec = tree_flatten(updates)
+        leaves = tree_leaves(updates)
         param_leaves = tree_leaves(params) if params is not None else None
         new_states = {}
         for label, idx in groups(params if params is not None else updates).items():
@@ -92,7 +92,7 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], label
             )
             for i, value in zip(idx, new):
                 leaves[i] = value
-        return tree_unflatten(leaves, spec), MultiTransformState(new_states)
+        return tree_unflatten_as(updates, leaves), MultiTransformState(new_states)
 
     return GradientTransformation(init, update)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from lmfunc.tree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from lmfunc.tree import PyTree, tree_leaves, tree_map, tree_unflatten_as
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 Mask = Union[PyTree, Callable[[PyTree], PyTree]]
@@ -78,7 +78,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return ScaleByAdamState(_count(), tree_map(zeros, params), tree_map(zeros, params))
 
     def update(updates: PyTree, state: ScaleByAdamState, params: Optional[PyTree] = None):
-        grads, spec = tree_flatten(updates)
+        grads = tree_leaves(updates)
         mu, nu = tree_leaves(state.mu), tree_leaves(state.nu)
         mu = torch._foreach_add(mu, torch._foreach_sub(grads, mu), alpha=1.0 - b1)
         nu = torch._foreach_add(nu, torch._foreach_sub(torch._foreach_mul(grads, grads), nu), alpha=1.0 - b2)
@@ -88,7 +88,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         bias2 = 1.0 - torch.pow(b2, step)
         denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(nu, bias2)), eps)
         direction = torch._foreach_div(torch._foreach_div(mu, bias1), denom)
-        return tree_unflatten(direction, spec), ScaleByAdamState(count, tree_unflatten(mu, spec), tree_unflatten(nu, spec))
+        new_state = ScaleByAdamState(count, tree_unflatten_as(state.mu, mu), tree_unflatten_as(state.nu, nu))
+        return tree_unflatten_as(updates, direction), new_state
 
     return GradientTransformation(init, update)
 
@@ -117,14 +118,14 @@ def add_decayed_weights(weight_decay: float, mask: Optional[Mask] = None) -> Gra
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
         if weight_decay == 0.0:
             return updates, state
-        leaves, spec = tree_flatten(updates)
+        leaves = tree_leaves(updates)
         param_leaves = tree_leaves(params)
         flags = _resolve_mask(mask, params) if mask is not None else [True] * len(leaves)
         chosen = [i for i, f in enumerate(flags) if f]
         decayed = torch._foreach_add([leaves[i] for i in chosen], [param_leaves[i] for i in chosen], alpha=weight_decay)
         for i, value in zip(chosen, decayed):
             leaves[i] = value
-        return tree_unflatten(leaves, spec), state
+        return tree_unflatten_as(updates, leaves), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 
@@ -142,8 +143,7 @@ def clip_by_global_norm_with_norm(tree: PyTree, max_norm: float) -> tuple[PyTree
     """
     norm = global_norm(tree)
     coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    leaves, spec = tree_flatten(tree)
-    return tree_unflatten(torch._foreach_mul(leaves, coeff), spec), norm
+    return tree_unflatten_as(tree, torch._foreach_mul(tree_leaves(tree), coeff)), norm
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -164,8 +164,8 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
 
     def update(updates: PyTree, state: ScaleByScheduleState, params: Optional[PyTree] = None):
         factor = schedule(state.count).to(torch.float32)
-        leaves, spec = tree_flatten(updates)
-        return tree_unflatten(torch._foreach_mul(leaves, factor), spec), ScaleByScheduleState(state.count + 1)
+        scaled = tree_unflatten_as(updates, torch._foreach_mul(tree_leaves(updates), factor))
+        return scaled, ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init, update)
 
@@ -183,9 +183,9 @@ def scale_by_learning_rate(learning_rate: Union[float, Schedule]) -> GradientTra
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """``params + updates`` leaf-wise, keeping each param's dtype."""
-    leaves, spec = tree_flatten(params)
+    leaves = tree_leaves(params)
     deltas = [u.to(p.dtype) for p, u in zip(leaves, tree_leaves(updates))]
-    return tree_unflatten(torch._foreach_add(leaves, deltas), spec)
+    return tree_unflatten_as(params, torch._foreach_add(leaves, deltas))
 
 
 def adamw(
