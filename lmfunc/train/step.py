@@ -257,7 +257,7 @@ def _write_into(old: PyTree, new: PyTree) -> PyTree:
     donated tensor was) is a ``ValueError``; dict keys are matched by name."""
 
     def write(target, value):
-        if not (isinstance(target, torch.Tensor) and target.dim() > 0):  # _is_donated, inlined
+        if not _is_donated(target):
             return value
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"a {type(value).__name__} where the state holds a tensor")
