@@ -13,6 +13,9 @@ during the timed steps) and compile time (first step minus a steady step, with a
 cache, so it is a cold compile; with ``--warm-cache`` it is the time to load the cached graphs).
 Memory is the process's RSS on ``--device cpu`` (exact tensor accounting with ``--memory-mode``)
 and the CUDA caching allocator's allocated bytes on ``--device cuda``.
+``--paired`` compares speed only, with the variants' steps run in turn inside one process and
+each judged by its per-round time ratio to the last variant (``lmfunc.bench_paired``): a few
+percent of process-to-process drift cancels that alternating whole processes does not.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import time
 from typing import Optional
 
 import tyro
+
+from lmfunc import bench_paired
+from lmfunc.bench_workload import make_step, model_config
 
 VARIANTS = ("func-eager", "func-compiled", "module-eager", "module-compiled")
 
@@ -68,6 +74,11 @@ class BenchConfig:
     """Run each worker once, untimed, before the measured run with the same Inductor cache, so
     the measured run loads its compiled graphs instead of compiling them (a restarted job)."""
     variants: tuple[str, ...] = VARIANTS
+    paired: bool = False
+    """Speed only: build the variants in one process and run their steps in turn, ``--steps``
+    rounds per process (``--repeats`` processes, rounds pooled), and report each variant's
+    per-round time ratio to the last variant (``lmfunc.bench_paired``). No memory or compile
+    columns: the variants share the process."""
     json_out: Optional[str] = None
     """Also write the results to this JSON file."""
     comm: Optional[str] = None
@@ -79,117 +90,13 @@ class BenchConfig:
     """Internal: run one variant in this process and print its measurements as JSON."""
 
 
-def _model_config(bc: BenchConfig):
-    from lmfunc.config import ModelConfig
-
-    cfg = ModelConfig(
-        vocab_size=bc.vocab, hidden_size=bc.hidden, num_layers=bc.layers, num_attention_heads=bc.heads,
-        max_position_embeddings=bc.seq, recompute_granularity=bc.recompute,
-    )
-    if bc.ce_chunk is not None:
-        cfg = dataclasses.replace(cfg, cross_entropy_chunk_tokens=bc.ce_chunk)
-    return cfg
-
-
-def _module_step(cfg, params, compiled: bool):
-    """An idiomatic nn.Module training step with the same math and the same initial weights."""
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-
-    from lmfunc.model import layers
-
-    class Block(nn.Module):
-        def __init__(self, p):
-            super().__init__()
-            linear = lambda w: nn.Parameter(w.t().contiguous())  # noqa: E731  [in,out] -> nn.Linear [out,in]
-            self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-            self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-            self.wq, self.wk, self.wv, self.wo = (nn.Linear(1, 1, bias=False) for _ in range(4))
-            self.w_gate, self.w_up, self.w_out = (nn.Linear(1, 1, bias=False) for _ in range(3))
-            for name in ("wq", "wk", "wv", "wo"):
-                getattr(self, name).weight = linear(p["attn"][name])
-            for name in ("w_gate", "w_up", "w_out"):
-                getattr(self, name).weight = linear(p["mlp"][name])
-
-        def forward(self, x, cos, sin):
-            b, s, _ = x.shape
-            h = self.attn_norm(x)
-            q = self.wq(h).view(b, s, cfg.num_attention_heads, cfg.head_dim)
-            k = self.wk(h).view(b, s, cfg.query_groups, cfg.head_dim)
-            v = self.wv(h).view(b, s, cfg.query_groups, cfg.head_dim)
-            q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
-            h = self.mlp_norm(x)
-            return x + self.w_out(F.silu(self.w_gate(h)) * self.w_up(h))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            self.embed.weight = nn.Parameter(params["embed"]["tokens"].clone())
-            self.blocks = nn.ModuleList(Block(params["layers"][str(i)]) for i in range(cfg.num_layers))
-            self.final_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
-
-        def forward(self, tokens, labels):
-            cos, sin = layers.rope_tables(torch.arange(tokens.shape[1], device=tokens.device), cfg)
-            x = self.embed(tokens)
-            for block in self.blocks:
-                x = block(x, cos, sin)
-            logits = self.final_norm(x) @ self.embed.weight.t()
-            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-    model = GPT().to(params["embed"]["tokens"].device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True,
-    )
-    forward = torch.compile(model) if compiled else model
-    optimizer_step = torch.compile(optimizer.step) if compiled else optimizer.step
-
-    def step(tokens, labels):
-        loss = forward(tokens, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        optimizer_step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
 def run_worker(bc: BenchConfig) -> dict:
     """Measure one variant in this process."""
     import torch
 
     torch.set_num_threads(bc.threads)
-    from lmfunc import model
-    from lmfunc.optim import adamw
-    from lmfunc.train import TrainState, make_train_step
-
     device = torch.device(bc.device)
-    cfg = _model_config(bc)
-    params = model.init(cfg, seed=0, device=device)
-    g = torch.Generator().manual_seed(0)
-    stream = torch.randint(0, cfg.vocab_size, (bc.batch, bc.seq + 1), generator=g).to(device)
-    tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
-    if bc.worker.startswith("func"):
-        tx = adamw(1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
-        train_step = make_train_step(cfg, tx, clip_grad=1.0, compile=bc.worker == "func-compiled",
-                                     donate_state=bc.donate)
-        holder = {"state": TrainState.create(params, tx)}
-        batch = {"tokens": tokens[None], "labels": labels[None]}
-
-        def step():
-            holder["state"], metrics = train_step(holder["state"], batch)
-            return metrics["loss"]
-    else:
-        module_step = _module_step(cfg, params, compiled=bc.worker == "module-compiled")
-        step = lambda: module_step(tokens, labels)  # noqa: E731
-    del params
+    step = make_step(bc, bc.worker)
 
     memory = _CudaMemory(device) if device.type == "cuda" else _HostMemory()
     start = time.perf_counter()
@@ -279,7 +186,7 @@ def run_comm_report(bc: BenchConfig) -> None:
     layout = build_mesh(sizes)
     if layout.mesh is None:
         raise SystemExit("--comm needs a layout with more than one process; launch with torchrun --nproc-per-node N")
-    cfg = dc.replace(_model_config(bc), sequence_parallel=bc.sequence_parallel)
+    cfg = dc.replace(model_config(bc), sequence_parallel=bc.sequence_parallel)
     params = init_sharded(cfg, layout.mesh)
     dp, rank = layout.data_parallel_size, data_parallel_rank(layout)
     g = torch.Generator().manual_seed(0)
@@ -313,6 +220,8 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
             args += ["--ce-chunk", str(bc.ce_chunk)]
         if not bc.donate:
             args += ["--no-donate"]
+        if variant == "paired":
+            args += ["--variants", *bc.variants]
         if bc.warm_cache:
             subprocess.run(args + ["--steps", "1", "--warmup", "0"], env=env, capture_output=True, text=True)
         proc = subprocess.run(args, env=env, capture_output=True, text=True)
@@ -350,7 +259,7 @@ def main(bc: BenchConfig) -> None:
     from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops
 
     if bc.worker is not None:
-        result = run_worker(bc)
+        result = bench_paired.run_paired_worker(bc) if bc.worker == "paired" else run_worker(bc)
         print(json.dumps(result))
         return
     if bc.comm is not None:
@@ -361,7 +270,7 @@ def main(bc: BenchConfig) -> None:
         raise SystemExit(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
 
     device = _check_device(bc.device)
-    cfg = _model_config(bc)
+    cfg = model_config(bc)
     peak = measure_matmul_peak_flops(device=device, n=8192 if device.type == "cuda" else 1024, threads=bc.threads)
     tokens = bc.batch * bc.seq
     where = f"{device.type} ({_device_name(device)}), torch {torch.__version__}"
@@ -371,6 +280,11 @@ def main(bc: BenchConfig) -> None:
           + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else "")
           + (", warm Inductor cache" if bc.warm_cache else ""))
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
+    if bc.paired and len(bc.variants) < 2:
+        raise SystemExit(f"--paired compares variants with each other; give two or more --variants, got {list(bc.variants)}")
+    if bc.paired:
+        bench_paired.report(bc, [_spawn(bc, "paired") for _ in range(bc.repeats)], tokens, flops_per_token(cfg, bc.seq) / peak)
+        return
     runs: dict[str, list[dict]] = {v: [] for v in bc.variants}
     for r in range(bc.repeats):
         order = bc.variants if r % 2 == 0 else tuple(reversed(bc.variants))
