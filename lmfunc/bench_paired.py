@@ -85,7 +85,9 @@ def run_paired_worker(bc: "BenchConfig") -> dict:
 
 
 def report(bc: "BenchConfig", results: list[dict], tokens: int, mfu_per_token_s: float) -> None:
-    """Print the pooled rounds of the ``--paired`` workers: each variant against the last one."""
+    """Print the pooled rounds of the ``--paired`` workers, each variant against the last one, then
+    each process's own medians: a process can be slower or faster throughout (where its memory
+    landed), which pairing within the process does not cancel, so compare several."""
     reference = bc.variants[-1]
     times = {v: [t for result in results for t in result["times"][v]] for v in bc.variants}
     summary = paired_summary(times, reference)
@@ -99,6 +101,10 @@ def report(bc: "BenchConfig", results: list[dict], tokens: int, mfu_per_token_s:
         print(f"{variant:16s} {tokens / step_s:9.0f} {step_s * 1e3:9.1f} {tokens / step_s * mfu_per_token_s:6.1%} "
               f"{row['ratio_median']:7.4f} [{row['ratio_q25']:.4f}, {row['ratio_q75']:.4f}] "
               f"{row['faster_rounds']:4d}/{rounds:<5d} {results[0]['first_loss'][variant]:8.4f}")
+    per_process = {v: [paired_summary(r["times"], reference)[v] for r in results] for v in bc.variants[:-1]}
+    for variant, rows in per_process.items():
+        print(f"  {variant} per process: ms/step " + ", ".join(f"{row['median_s'] * 1e3:.1f}" for row in rows)
+              + "; ratio " + ", ".join(f"{row['ratio_median']:.4f}" for row in rows))
     if bc.json_out:
         with open(bc.json_out, "w") as f:
             json.dump({"config": dataclasses.asdict(bc), "paired": summary, "times": times}, f, indent=2)

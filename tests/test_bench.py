@@ -95,6 +95,7 @@ def test_paired_cli_prints_each_variant_against_the_last(capsys):
     assert "paired: 1 process(es) x 2 rounds (one step of each variant per round" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("func-eager", "module-eager"))}
     assert rows["module-eager"][4] == "1.0000" and rows["module-eager"][-2].startswith("0/2")
+    assert "  func-eager per process: ms/step " in out
     assert float(rows["func-eager"][-1]) == pytest.approx(float(rows["module-eager"][-1]), abs=1e-4)
     with pytest.raises(SystemExit, match="two or more --variants"):
         main(BenchConfig(paired=True, variants=("func-eager",), **SMALL))
