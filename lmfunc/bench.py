@@ -268,6 +268,8 @@ def main(bc: BenchConfig) -> None:
     unknown = [v for v in bc.variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
+    if bc.paired and len(bc.variants) < 2:
+        raise SystemExit(f"--paired compares variants with each other; give two or more --variants, got {list(bc.variants)}")
 
     device = _check_device(bc.device)
     cfg = model_config(bc)
@@ -280,8 +282,6 @@ def main(bc: BenchConfig) -> None:
           + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else "")
           + (", warm Inductor cache" if bc.warm_cache else ""))
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
-    if bc.paired and len(bc.variants) < 2:
-        raise SystemExit(f"--paired compares variants with each other; give two or more --variants, got {list(bc.variants)}")
     if bc.paired:
         bench_paired.report(bc, [_spawn(bc, "paired") for _ in range(bc.repeats)], tokens, flops_per_token(cfg, bc.seq) / peak)
         return

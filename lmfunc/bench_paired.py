@@ -1,6 +1,6 @@
 """Paired step timing: several training steps built in one process and run in turn, round after round.
 
-On a shared machine the speed of a whole process drifts (other jobs, where its memory landed), so
+On a shared machine the speed of a whole process drifts (other jobs take turns on the cores), so
 two variants timed in separate processes can differ by a few percent that neither causes. Timed in
 turn inside one process, the two steps of a round see the same conditions, and the per-round ratio
 of their times cancels the drift. ``python -m lmfunc.bench --paired`` uses this for speed; peak
@@ -86,8 +86,9 @@ def run_paired_worker(bc: "BenchConfig") -> dict:
 
 def report(bc: "BenchConfig", results: list[dict], tokens: int, mfu_per_token_s: float) -> None:
     """Print the pooled rounds of the ``--paired`` workers, each variant against the last one, then
-    each process's own medians: a process can be slower or faster throughout (where its memory
-    landed), which pairing within the process does not cancel, so compare several."""
+    each process's own medians: another job busy during all of a process's rounds can slow one
+    variant more than the other, which pairing within the process does not cancel, so compare
+    several processes."""
     reference = bc.variants[-1]
     times = {v: [t for result in results for t in result["times"][v]] for v in bc.variants}
     summary = paired_summary(times, reference)
@@ -101,8 +102,9 @@ def report(bc: "BenchConfig", results: list[dict], tokens: int, mfu_per_token_s:
         print(f"{variant:16s} {tokens / step_s:9.0f} {step_s * 1e3:9.1f} {tokens / step_s * mfu_per_token_s:6.1%} "
               f"{row['ratio_median']:7.4f} [{row['ratio_q25']:.4f}, {row['ratio_q75']:.4f}] "
               f"{row['faster_rounds']:4d}/{rounds:<5d} {results[0]['first_loss'][variant]:8.4f}")
-    per_process = {v: [paired_summary(r["times"], reference)[v] for r in results] for v in bc.variants[:-1]}
-    for variant, rows in per_process.items():
+    per_process = [paired_summary(result["times"], reference) for result in results]
+    for variant in bc.variants[:-1]:
+        rows = [summary_of_process[variant] for summary_of_process in per_process]
         print(f"  {variant} per process: ms/step " + ", ".join(f"{row['median_s'] * 1e3:.1f}" for row in rows)
               + "; ratio " + ", ".join(f"{row['ratio_median']:.4f}" for row in rows))
     if bc.json_out:

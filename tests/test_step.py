@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+import platform
 import sysconfig
 
 import pytest
@@ -326,7 +327,7 @@ def test_compile_garbage_is_released_when_the_first_compile_ends_and_after_the_f
     assert step_module._release_at_compile_end not in callback_handler.end_callbacks
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
                     reason="needs Linux with glibc (malloc_trim)")
 def test_release_compile_garbage_returns_free_heap_pages_to_the_os():
     """Blocks above pymalloc's 512 bytes come from glibc's heap; with every 16th kept alive the
