@@ -1,7 +1,6 @@
 import dataclasses
 import json
 import os
-import platform
 import sysconfig
 
 import pytest
@@ -304,44 +303,3 @@ def test_bad_batches_are_clear_errors():
         step(state, {"tokens": good["tokens"]})
     with pytest.raises(KeyError, match="unknown keys"):
         step(state, {**good, "attention_mask": good["tokens"]})
-
-
-def test_compile_garbage_is_released_when_the_first_compile_ends_and_after_the_first_call(monkeypatch):
-    """Released before the compiled code first runs (a Dynamo end-of-compile callback, removed
-    again afterwards) and once more after the first call; later calls and eager steps never."""
-    from torch._dynamo import callback_handler
-    from torch._dynamo.callback import CallbackArgs
-
-    from lmfunc.train import step as step_module
-
-    calls = []
-    monkeypatch.setattr(step_module, "_release_compile_garbage", lambda: calls.append("after call"))
-    monkeypatch.setattr(step_module, "_release_at_compile_end",
-                        lambda args: calls.append("compile end" if isinstance(args, CallbackArgs) else args))
-    compiled = step_module._compile(lambda params, batch: params * batch, compile=True, backend="eager")
-    eager = step_module._compile(lambda params, batch: params * batch, compile=False, backend="eager")
-    for _ in range(3):
-        assert float(compiled(torch.tensor(2.0), torch.tensor(3.0))) == 6.0
-        assert float(eager(torch.tensor(2.0), torch.tensor(3.0))) == 6.0
-    assert calls == ["compile end", "after call"]
-    assert step_module._release_at_compile_end not in callback_handler.end_callbacks
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
-                    reason="needs Linux with glibc (malloc_trim)")
-def test_release_compile_garbage_returns_free_heap_pages_to_the_os():
-    """Blocks above pymalloc's 512 bytes come from glibc's heap; with every 16th kept alive the
-    heap cannot shrink from its top, so only ``malloc_trim`` hands the freed pages back."""
-    from lmfunc.train.step import _release_compile_garbage
-
-    def rss_mib() -> float:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-    blocks = [bytes(4000) for _ in range(20000)]
-    kept = blocks[::16]
-    del blocks
-    before = rss_mib()
-    _release_compile_garbage()
-    assert before - rss_mib() > 40, "75 MB freed in 4 KB blocks: most of it should leave the process"
-    assert len(kept) == 1250

@@ -10,16 +10,12 @@ torch 2.13 ships a pass for this (``remat_using_tags_for_fwd_loss_bwd_graph``), 
 single backward region — one microbatch — and refuses every op tagged ``nondeterministic_seeded``,
 which includes the CPU flash-attention kernel even at ``dropout_p = 0``. This pass handles one
 backward pass per microbatch and accepts attention kernels whose dropout is 0 (lmfunc's own
-dropout is a pure function of its seed, so recomputing it is exact). ``compile_step`` turns the
-built-in pass off for the step and installs this one.
+dropout is a pure function of its seed, so recomputing it is exact).
+``lmfunc.train.compiling.compile_step`` turns the built-in pass off for the step and installs this
+one.
 """
 
 from __future__ import annotations
-
-import contextlib
-import functools
-import types
-from typing import Callable, Union
 
 import torch
 import torch.fx as fx
@@ -138,43 +134,3 @@ class RematPass(CustomGraphPass):
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__, saved_values.__file__, inplace_reuse.__file__)) + bytes([self.choose])
 
-
-def with_own_code(fn: Callable) -> Callable:
-    """``fn`` with a code object of its own (same bytecode, globals, closure and defaults).
-
-    Dynamo keeps compiled graphs per code object, at most ``torch._dynamo.config.recompile_limit``
-    (8) of them, guarded on the closure's values. Every step ``make_train_step`` builds is a closure
-    over the same source function, so without this the ninth step built in one process fails
-    (``fullgraph=True`` turns the limit into an error), and a discarded step's graphs stay cached.
-    With its own code object each step has its own cache, freed with the step.
-    """
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return functools.update_wrapper(copy, fn)
-
-
-def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
-    """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass.
-
-    Each call compiles a copy of ``fn`` with its own code object (``with_own_code``): steps built
-    from the same function never share, or exhaust, one Dynamo cache.
-
-    With the Inductor backend the pass runs on the step's graph, and Inductor keeps its in-place
-    buffer reuse although the graph writes into its inputs (``lmfunc.train.inplace_reuse``); other
-    backends get the graph without either (recompute tags are then ignored: numerically the same,
-    more memory).
-    choose_saved: recompute cheap forward ops in the backward where that keeps fewer bytes
-        (``lmfunc.train.saved_values``); False keeps every forward value a backward op reads.
-    """
-    options = {"post_grad_custom_pre_pass": RematPass(choose_saved)} if backend == "inductor" else None
-    compiled = torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend, options=options)
-
-    inplace = inplace_reuse.inplace_reuse_despite_input_writes if backend == "inductor" else contextlib.nullcontext
-
-    def run(*args, **kwargs):
-        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), inplace():
-            return compiled(*args, **kwargs)
-
-    return run

@@ -10,12 +10,9 @@ Multi-token prediction adds its losses through ``attach_aux_loss`` inside ``lm_l
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 from typing import Callable, Mapping, Optional, Union
 
 import torch
-from torch._dynamo import callback_handler
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
@@ -25,7 +22,7 @@ from lmfunc.loss import LossOutput, lm_losses
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tree, update_loss_scale
-from lmfunc.train.remat import compile_step
+from lmfunc.train.compiling import compile_step
 from lmfunc.train.state import TrainState
 from lmfunc.parallel.sharding import match_placements
 from lmfunc.tree import PyTree, flatten_with_paths, tree_leaves, tree_map, tree_unflatten_as
@@ -70,48 +67,16 @@ def full_metrics(metrics: Metrics) -> Metrics:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
 
 
-def _release_compile_garbage() -> None:
-    """Free what compiling left behind: the cyclic garbage (graphs and the objects they hold:
-    tens of MiB that Python's generational collector may not free for a long time), then the free
-    pages inside glibc's heap (``malloc_trim``: Inductor's code generation leaves them resident).
-    Elsewhere than glibc only the first."""
-    gc.collect()
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
-
-
-def _release_at_compile_end(_args) -> None:
-    """A Dynamo end-of-compile callback: ``_release_compile_garbage`` after the compile, before
-    the compiled code first runs (the step's peak memory is then its first run's)."""
-    _release_compile_garbage()
-
-
 def _compile(fn: Callable, compile: bool, backend: Union[str, Callable]) -> Callable:
-    """``fn`` (compiled when asked), called inside ``distributed_context`` of its first argument's
-    params (the context is entered outside the compiled region: Dynamo cannot trace it). The first,
-    compiling call releases the compile's garbage (``_release_compile_garbage``) when the compile
-    ends and again when the call returns."""
+    """``fn`` (compiled with ``compile_step`` when asked), called inside ``distributed_context`` of
+    its first argument's params (the context is entered outside the compiled region: Dynamo cannot
+    trace it)."""
     inner = compile_step(fn, backend) if compile else fn
-    released = not compile
 
     def run(state_or_params, batch):
-        nonlocal released
         params = state_or_params.params if isinstance(state_or_params, TrainState) else state_or_params
-        if released:
-            with distributed_context(params):
-                return inner(state_or_params, batch)
-        callback_handler.register_end_callback(_release_at_compile_end)
-        try:
-            with distributed_context(params):
-                out = inner(state_or_params, batch)
-        finally:
-            callback_handler.remove_end_callback(_release_at_compile_end)
-        _release_compile_garbage()
-        released = True
-        return out
+        with distributed_context(params):
+            return inner(state_or_params, batch)
 
     return run
 

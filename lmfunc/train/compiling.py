@@ -1,0 +1,106 @@
+"""Compiling the train step: ``compile_step`` (``torch.compile`` with lmfunc's graph passes).
+
+With the Inductor backend the step's graph is compiled in two stages. Dynamo captures the graph
+as usual, but the backend it calls (``_inductor_on_first_call``) only keeps the graph; Inductor
+compiles it when the captured code first runs it (``torch._inductor.compile``). By then Dynamo's
+tracing state is garbage: it is collected first, so Dynamo's and Inductor's working objects are
+never alive at once. Both are tens of MiB of small Python objects for the one large step graph,
+and the arenas Python's allocator takes for them at the peak stay resident afterwards (a few
+long-lived objects keep each arena). On the benchmark workload the two stages save 5 of those
+1-MiB arenas and 4–8 MiB of the process's peak (``docs/benchmarks.md``). After Inductor,
+``release_compile_garbage`` frees the cyclic garbage and glibc's free heap pages before the
+compiled code first runs (its first run already reaches the step's peak).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import gc
+import types
+from typing import Any, Callable, Union
+
+import torch
+import torch._inductor
+
+from lmfunc.train import inplace_reuse
+from lmfunc.train.remat import RematPass
+
+
+def release_compile_garbage() -> None:
+    """Free what compiling left behind: the cyclic garbage (graphs and the objects they hold:
+    tens of MiB that Python's generational collector may not free for a long time), then the free
+    pages inside glibc's heap (``malloc_trim``: Inductor's code generation leaves them resident).
+    Elsewhere than glibc only the first."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
+    """A Dynamo backend that returns at once and compiles the captured graph with Inductor (with
+    these config ``options``) on its first call, with that call's inputs as example inputs, after
+    Dynamo's capture has ended; ``release_compile_garbage`` runs before and after the compile."""
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiled = None
+
+        def run(*args):
+            nonlocal compiled
+            if compiled is None:
+                release_compile_garbage()
+                compiled = torch._inductor.compile(graph, list(args), options)
+                release_compile_garbage()
+            return compiled(*args)
+
+        return run
+
+    return backend
+
+
+def with_own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own (same bytecode, globals, closure and defaults).
+
+    Dynamo keeps compiled graphs per code object, at most ``torch._dynamo.config.recompile_limit``
+    (8) of them, guarded on the closure's values. Every step ``make_train_step`` builds is a closure
+    over the same source function, so without this the ninth step built in one process fails
+    (``fullgraph=True`` turns the limit into an error), and a discarded step's graphs stay cached.
+    With its own code object each step has its own cache, freed with the step.
+    """
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copy, fn)
+
+
+def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass.
+
+    Each call compiles a copy of ``fn`` with its own code object (``with_own_code``): steps built
+    from the same function never share, or exhaust, one Dynamo cache.
+
+    With the Inductor backend the recompute pass (``lmfunc.train.remat``) runs on the step's graph,
+    Inductor keeps its in-place buffer reuse although the graph writes into its inputs
+    (``lmfunc.train.inplace_reuse``), and Inductor compiles on the first call, after Dynamo's
+    capture (see the module docstring). Other backends get the graph without any of these
+    (recompute tags are then ignored: numerically the same, more memory).
+    choose_saved: recompute cheap forward ops in the backward where that keeps fewer bytes
+        (``lmfunc.train.saved_values``); False keeps every forward value a backward op reads.
+    """
+    inductor = backend == "inductor"
+    if inductor:
+        backend = _inductor_on_first_call({"post_grad_custom_pre_pass": RematPass(choose_saved)})
+    compiled = torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend)
+
+    inplace = inplace_reuse.inplace_reuse_despite_input_writes if inductor else contextlib.nullcontext
+
+    def run(*args, **kwargs):
+        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), inplace():
+            return compiled(*args, **kwargs)
+
+    return run

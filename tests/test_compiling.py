@@ -1,0 +1,54 @@
+import os
+import platform
+
+import pytest
+import torch
+import torch._inductor
+from torch._guards import TracingContext
+
+from lmfunc.train import compiling
+
+
+def test_inductor_compiles_on_the_first_call_after_dynamo_capture(monkeypatch):
+    """With Inductor, Dynamo's backend only keeps the graph: Inductor compiles it (with the recompute
+    pass) on the first call, outside Dynamo's tracing, between two releases of the compile garbage;
+    later calls compile nothing. Other backends compile as usual and release nothing."""
+    events = []
+    real_compile = torch._inductor.compile
+
+    def recording_compile(graph, example_inputs, options):
+        events.append(("inductor", TracingContext.try_get() is None, type(options["post_grad_custom_pre_pass"]).__name__))
+        return real_compile(graph, example_inputs, options)
+
+    monkeypatch.setattr(torch._inductor, "compile", recording_compile)
+    monkeypatch.setattr(compiling, "release_compile_garbage", lambda: events.append("release"))
+    step = compiling.compile_step(lambda x, y: (x * y).sum())
+    assert events == []
+    for _ in range(3):
+        assert float(step(torch.ones(4), torch.full((4,), 3.0))) == 12.0
+    assert events == ["release", ("inductor", True, "RematPass"), "release"]
+
+    events.clear()
+    eager = compiling.compile_step(lambda x, y: (x * y).sum(), backend="eager")
+    for _ in range(2):
+        assert float(eager(torch.ones(4), torch.full((4,), 3.0))) == 12.0
+    assert events == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
+                    reason="needs Linux with glibc (malloc_trim)")
+def test_release_compile_garbage_returns_free_heap_pages_to_the_os():
+    """Blocks above pymalloc's 512 bytes come from glibc's heap; with every 16th kept alive the
+    heap cannot shrink from its top, so only ``malloc_trim`` hands the freed pages back."""
+
+    def rss_mib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    blocks = [bytes(4000) for _ in range(20000)]
+    kept = blocks[::16]
+    del blocks
+    before = rss_mib()
+    compiling.release_compile_garbage()
+    assert before - rss_mib() > 40, "75 MB freed in 4 KB blocks: most of it should leave the process"
+    assert len(kept) == 1250
