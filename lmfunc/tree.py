@@ -60,7 +60,11 @@ _MISSING = object()
 
 def tree_unflatten_as(template: PyTree, leaves: list[Any]) -> PyTree:
     """A tree of ``template``'s structure holding ``leaves`` (in ``tree_leaves`` order):
-    ``tree_unflatten(leaves, tree_structure(template))``."""
+    ``tree_unflatten(leaves, tree_structure(template))``.
+
+    Under ``torch.compile`` (torch 2.13) with *only Python constants* as leaves, Dynamo folds the
+    rebuild and returns an ``OrderedDict`` nested under two NamedTuples as a ``dict``; pytree's own
+    ``tree_unflatten`` does the same there. Tensor leaves are unaffected (``tests/test_tree.py``)."""
     if not torch.compiler.is_compiling():
         spec = pytree.tree_structure(template)
         if len(leaves) != spec.num_leaves:
