@@ -291,7 +291,8 @@ def main(bc: BenchConfig) -> None:
         for variant in order:
             runs[variant].append(_spawn(bc, variant))
             last = runs[variant][-1]
-            print(f"  repeat {r + 1} {variant:16s} {last['step_s'] * 1e3:9.1f} ms/step  compile {last['compile_s']:6.1f} s", flush=True)
+            print(f"  repeat {r + 1} {variant:16s} {last['step_s'] * 1e3:9.1f} ms/step  compile {last['compile_s']:6.1f} s  "
+                  f"peak {last['peak_mib']:6.1f} MiB  step mem {last['step_memory_mib']:6.1f} MiB", flush=True)
     memory = "peak CUDA" if device.type == "cuda" else "peak RSS"
     header = (f"{'variant':16s} {'tokens/s':>9s} {'ms/step':>9s} {'MFU':>6s} {memory:>9s} {'step mem':>9s} "
               f"{'compile':>8s} {'loss0':>8s}")
@@ -313,8 +314,8 @@ def main(bc: BenchConfig) -> None:
               f"{row['peak_mib']:8.0f}M {row['step_memory_mib']:8.0f}M {row['compile_s']:7.1f}s {row['first_loss']:8.4f}")
     if bc.json_out:
         with open(bc.json_out, "w") as f:
-            json.dump({"config": dataclasses.asdict(bc), "device": where, "peak_flops": peak, "results": summary},
-                      f, indent=2)
+            json.dump({"config": dataclasses.asdict(bc), "device": where, "peak_flops": peak, "results": summary,
+                       "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 import gc
 import itertools
+import json
 import math
+import statistics
 import weakref
 
 import pytest
@@ -99,3 +101,17 @@ def test_paired_cli_prints_each_variant_against_the_last(capsys):
     assert float(rows["func-eager"][-1]) == pytest.approx(float(rows["module-eager"][-1]), abs=1e-4)
     with pytest.raises(SystemExit, match="two or more --variants"):
         main(BenchConfig(paired=True, variants=("func-eager",), **SMALL))
+
+
+def test_cli_reports_every_repeat_and_writes_them_to_json(capsys, tmp_path):
+    """Each repeat's peak RSS and step memory are printed and kept in ``--json-out`` next to the
+    medians: differences of a MiB between variants only mean something against the spread."""
+    out_file = tmp_path / "bench.json"
+    main(BenchConfig(variants=("func-eager",), steps=1, repeats=2, json_out=str(out_file), **SMALL))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  repeat ")]
+    assert [line.split()[1] for line in lines] == ["1", "2"]
+    assert all(" peak " in line and " MiB  step mem " in line for line in lines)
+    saved = json.loads(out_file.read_text())
+    runs = saved["runs"]["func-eager"]
+    assert len(runs) == 2 and all(run["peak_mib"] > 0 and run["first_loss"] > 0 for run in runs)
+    assert saved["results"]["func-eager"]["peak_mib"] == pytest.approx(statistics.median(run["peak_mib"] for run in runs))
