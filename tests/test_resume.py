@@ -118,35 +118,50 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(workdir, reference):
     assert _losses(run_dir) == reference
 
 
-def test_kill_during_a_save_keeps_the_previous_checkpoint(workdir, reference):
-    run_dir = workdir / "runs" / "crashed"
-    save_dir = run_dir / "checkpoints"
-    seen = {}
+def _kill_during_a_save(workdir, name: str, *flags: str) -> str | None:
+    """Start a run and SIGKILL it while a save is being written after a complete one (its .tmp
+    directory exists, DCP's .metadata, written last, does not yet, and its step is newer than every
+    complete save). Returns the unfinished save's directory name, or None when the save committed
+    between the check and the kill (its .tmp directory is gone)."""
+    save_dir = workdir / "runs" / name / "checkpoints"
+    seen = []
 
     def mid_save(line):
-        # Poll the directory between output lines: kill once a save is being written (its .tmp
-        # directory exists and DCP's .metadata, written at the end, does not yet) after a complete one.
         deadline = time.perf_counter() + 0.2
         while time.perf_counter() < deadline:
             if not os.path.isdir(save_dir):
                 return False
+            complete = complete_steps(save_dir)  # before the listing: a save may commit in between
             partial = [n for n in os.listdir(save_dir) if n.startswith("iter_") and n.endswith(".tmp")]
-            if partial and complete_steps(save_dir) and not os.path.exists(save_dir / partial[0] / ".metadata"):
-                seen["partial"], seen["complete"] = partial[0], complete_steps(save_dir)
-                return True
+            if complete and partial and int(partial[0][5:12]) > max(complete):
+                if os.path.isdir(save_dir / partial[0]) and not os.path.exists(save_dir / partial[0] / ".metadata"):
+                    seen.append(partial[0])
+                    return True
             time.sleep(0.0005)
         return False
 
-    code, out = _interrupt(workdir, "crashed", mid_save, lambda proc: proc.send_signal(signal.SIGKILL),
-                           "--checkpoint.save-interval", "1", "--checkpoint.keep", "2")
+    code, out = _interrupt(workdir, name, mid_save, lambda proc: proc.send_signal(signal.SIGKILL), *flags)
     assert code == -signal.SIGKILL, out[-2000:]
-    assert os.path.isdir(save_dir / seen["partial"])
-    newest = max(complete_steps(save_dir))
+    return seen[0] if os.path.isdir(save_dir / seen[0]) else None
 
-    resumed = _run(workdir, "crashed", "--checkpoint.save-interval", "1", "--checkpoint.keep", "2")
-    assert f"removed unfinished checkpoint saves in {save_dir}: {seen['partial']}" in resumed.stdout
+
+def test_kill_during_a_save_keeps_the_previous_checkpoint(workdir, reference):
+    flags = ("--checkpoint.save-interval", "1", "--checkpoint.keep", "2")
+    for attempt in range(3):  # a save can commit between the check and the kill: then try a new run
+        name = f"crashed{attempt}"
+        partial = _kill_during_a_save(workdir, name, *flags)
+        if partial is not None:
+            break
+    assert partial is not None, "three runs committed their save before the kill landed"
+    run_dir = workdir / "runs" / name
+    save_dir = run_dir / "checkpoints"
+    newest = max(complete_steps(save_dir))
+    assert int(partial[5:12]) > newest
+
+    resumed = _run(workdir, name, *flags)
+    assert f"removed unfinished checkpoint saves in {save_dir}: {partial}" in resumed.stdout
     assert f"loaded checkpoint {save_dir}/iter_{newest:07d}: step {newest}," in resumed.stdout
-    assert not any(name.endswith(".tmp") for name in os.listdir(save_dir))
+    assert not any(entry.endswith(".tmp") for entry in os.listdir(save_dir))
     assert complete_steps(save_dir) == [19, 20]
     assert _losses(run_dir) == reference
 
