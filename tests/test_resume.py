@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from lmfunc.checkpoint.manager import TRACKER, complete_steps
+from lmfunc.checkpoint.manager import TRACKER, complete_steps, step_dir_name
 from lmfunc.train.__main__ import main as train_main
 from lmfunc.train.log import read_log
 
@@ -133,7 +133,8 @@ def _kill_during_a_save(workdir, name: str, *flags: str) -> str | None:
                 return False
             complete = complete_steps(save_dir)  # before the listing: a save may commit in between
             partial = [n for n in os.listdir(save_dir) if n.startswith("iter_") and n.endswith(".tmp")]
-            if complete and partial and int(partial[0][5:12]) > max(complete):
+            # zero-padded names: a newer step sorts after the newest complete one
+            if complete and partial and partial[0].removesuffix(".tmp") > step_dir_name(max(complete)):
                 if os.path.isdir(save_dir / partial[0]) and not os.path.exists(save_dir / partial[0] / ".metadata"):
                     seen.append(partial[0])
                     return True
@@ -156,7 +157,7 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(workdir, reference):
     run_dir = workdir / "runs" / name
     save_dir = run_dir / "checkpoints"
     newest = max(complete_steps(save_dir))
-    assert int(partial[5:12]) > newest
+    assert partial.removesuffix(".tmp") > step_dir_name(newest)
 
     resumed = _run(workdir, name, *flags)
     assert f"removed unfinished checkpoint saves in {save_dir}: {partial}" in resumed.stdout
