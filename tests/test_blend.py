@@ -51,3 +51,22 @@ def test_mock_documents_follow_megatron():
     doc = mock[0]
     assert len(doc) == mock.sequence_lengths[0] and doc[-1] == 999 and doc[:3].tolist() == [1, 2, 3]
     np.testing.assert_array_equal(mock.get(0, 2, 3), doc[2:5])
+
+
+def test_mock_data_uses_megatrons_forced_split_whatever_data_split_says(tmp_path):
+    """Megatron's BlendedMegatronDatasetConfig sets split "1,1,1" for mock data: every split gets a
+    third of the mock documents, so the samples equal Megatron's --mock-data ones."""
+    from lmfunc.config.train import DataConfig
+    from lmfunc.data.pipeline import build_datasets
+    from lmfunc.data.tokenizer import ByteTokenizer
+
+    requested = {"train": 8, "valid": 4, "test": 4}
+    built = [build_datasets(DataConfig(mock=True, split=split, seq_length=4096), ByteTokenizer(), requested, 1,
+                            str(tmp_path / split.replace(",", "_"))) for split in ("90,10,0", "1,1,1")]
+    for name in requested:
+        configured, forced = built[0][name], built[1][name]
+        assert configured is not None, f"{name}: mock data must ignore data.split's 0 weight"
+        assert np.array_equal(np.unique(configured.document_index), np.unique(forced.document_index))
+        assert all(np.array_equal(configured[i], forced[i]) for i in range(len(forced)))
+    third = 100_000 // 3
+    assert np.unique(built[1]["train"].document_index).max() < third + 1

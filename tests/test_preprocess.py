@@ -1,4 +1,5 @@
 import json
+import struct
 import os
 
 import numpy as np
@@ -70,9 +71,22 @@ def test_bad_lines_are_named_or_skipped_and_counted(tmp_path):
     assert os.listdir(tmp_path) == ["in.jsonl"]  # nothing partial left behind
     counts = preprocess(PreprocessArgs(input=str(source), output_prefix=str(tmp_path / "out"), skip_bad_lines=True),
                         progress=False)
-    assert (counts["documents"], counts["bad_lines"], counts["empty_documents"]) == (3, 3, 1)
+    assert (counts["documents"], counts["bad_lines"], counts["empty_documents"]) == (3, 3, 0)
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
-    assert ds.num_documents == 2 and len(ds[1]) == 2_000_000
+    assert ds.num_documents == 3 and len(ds[1]) == 3 and len(ds[2]) == 2_000_000  # "   " is 3 byte tokens
+
+
+def test_an_empty_text_stays_a_document_without_sequences_as_in_megatron(tmp_path):
+    """Megatron's preprocess_data.py calls add_document with no ids for a text that tokenizes to
+    nothing: document_indices repeats the previous entry. The .idx bytes, written out by hand."""
+    counts = run(tmp_path, [{"text": "ab"}, {"text": ""}, {"text": ["", "c"]}, {"text": []}, {"text": "de"}])
+    assert (counts["documents"], counts["empty_documents"]) == (5, 2)
+    lengths, documents = [2, 1, 2], [0, 1, 1, 2, 2, 3]
+    expected = (b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(lengths), len(documents))
+                + np.array(lengths, "<i4").tobytes() + np.array([0, 4, 6], "<i8").tobytes()
+                + np.array(documents, "<i8").tobytes())
+    assert (tmp_path / "out_text_document.idx").read_bytes() == expected
+    assert (tmp_path / "out_text_document.bin").read_bytes() == np.array(list(b"abcde"), "<u2").tobytes()
 
 
 def test_missing_key_and_utf8_messages(tmp_path):

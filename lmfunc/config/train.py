@@ -37,7 +37,8 @@ class DataConfig:
     With neither data.path nor data.text_file the run trains on the embedded corpus: the Python
     reference topics that ship with every Python installation (``pydoc_data``)."""
     mock: bool = False
-    """Train on Megatron's synthetic mock documents."""
+    """Train on Megatron's synthetic mock documents. As in Megatron (``--mock-data``), the split is
+    then always "1,1,1" (data.split is not used), so samples match Megatron's."""
     tokenizer: str = "byte"
     """'byte' (no files) or the path of a Hugging Face tokenizer.json."""
     split: str = "90,10,0"

@@ -106,6 +106,10 @@ def _split_dataset(sources: list, weights: list[float], ranges: list, requested:
     return BlendedDataset(parts, weights, sum(targets), name, cache_dir, description)
 
 
+# Megatron's BlendedMegatronDatasetConfig replaces the split of mock data with "1,1,1".
+MOCK_SPLIT = "1,1,1"
+
+
 def build_datasets(data: DataConfig, tokenizer, num_samples: dict[str, int], seed: int,
                    cache_dir: str) -> dict[str, Optional[object]]:
     """``{"train", "valid", "test"}`` datasets (None for an empty split or zero requested samples)."""
@@ -129,6 +133,7 @@ def build_datasets(data: DataConfig, tokenizer, num_samples: dict[str, int], see
             ranges = [(0, len(s)) for s in sources]
         else:
             sources, weights = shared
-            ranges = [split_ranges(data.split, len(s))[split_number] for s in sources]
+            split = MOCK_SPLIT if data.mock else data.split
+            ranges = [split_ranges(split, len(s))[split_number] for s in sources]
         datasets[name] = _split_dataset(sources, weights, ranges, requested, name, data, seed, cache_dir)
     return datasets

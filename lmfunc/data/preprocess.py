@@ -119,7 +119,7 @@ def encode_line(job: tuple[str, int, bytes, tuple[str, ...], bool, bool]) -> tup
         if key not in record:
             return path, number, len(raw), f"missing json key {key!r} (keys: {sorted(record)[:10]})"
         value = record[key]
-        texts = [str(t) for t in (value if isinstance(value, list) else [value]) if str(t).strip()]
+        texts = [str(t) for t in (value if isinstance(value, list) else [value])]
         if split:
             texts = [s for t in texts for s in split_sentences(t)]
         sentences = [ids for ids in (_TOKENIZER.encode_array(t) for t in texts) if ids.size]
@@ -157,7 +157,7 @@ def output_prefixes(args: PreprocessArgs) -> dict[str, str]:
 
 
 def preprocess(args: PreprocessArgs, progress: bool = True) -> dict[str, int]:
-    """Run the conversion; returns counts (documents, empty documents skipped, bad lines skipped)."""
+    """Run the conversion; returns counts (documents, of which empty, and bad lines skipped)."""
     if args.workers < 1 or args.partitions < 1:
         raise ConfigError(f"--workers ({args.workers}) and --partitions ({args.partitions}) must be >= 1")
     files = input_files(args.input)
@@ -189,10 +189,11 @@ def preprocess(args: PreprocessArgs, progress: bool = True) -> dict[str, int]:
                 continue
             part = line_index % args.partitions
             for key, sentences in result.items():
-                if not sentences:
-                    counts["empty_documents"] += 1
-                    continue
-                builders[key][part].add_document(np.concatenate(sentences), [len(s) for s in sentences])
+                # A text that tokenizes to nothing stays a document with no sequences, as Megatron's
+                # preprocess_data.py keeps it (document_indices repeats the previous entry).
+                counts["empty_documents"] += not sentences
+                ids = np.concatenate(sentences) if sentences else np.zeros(0, dtype=np.int32)
+                builders[key][part].add_document(ids, [len(s) for s in sentences])
             counts["documents"] += 1
             if line_index % 1000 == 0:
                 elapsed = max(time.perf_counter() - started, 1e-9)
@@ -231,8 +232,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     rate = counts["megabytes"] / max(counts["seconds"], 1e-9)
-    print(f"{counts['documents']} documents ({counts['empty_documents']} empty skipped, {counts['bad_lines']} bad lines "
-          f"skipped), {counts['megabytes']:.1f} MB in {counts['seconds']:.1f} s ({rate:.1f} MB/s) -> "
+    print(f"{counts['documents']} documents ({counts['empty_documents']} empty, kept as Megatron does; "
+          f"{counts['bad_lines']} bad lines skipped), {counts['megabytes']:.1f} MB in {counts['seconds']:.1f} s ({rate:.1f} MB/s) -> "
           + ", ".join(p + ".{bin,idx}" for p in output_prefixes(args).values()))
 
 
