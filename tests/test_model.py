@@ -5,7 +5,7 @@ import torch
 
 from lmfunc import model, value_and_grad
 from lmfunc.config import MODEL_PRESETS, ConfigError, ModelConfig, model_preset
-from lmfunc.loss import lm_loss
+from lmfunc.loss import lm_loss_sum
 from lmfunc.model import layers
 from lmfunc.tree import flatten_with_paths, tree_map
 
@@ -109,7 +109,7 @@ def test_gradients_match_finite_differences(cfg):
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "doc_ids": torch.tensor([[0] * 4 + [1] * 4] * 2)}
 
     def mean_loss(p):
-        total, count = lm_loss(p, batch, cfg)
+        total, count = lm_loss_sum(p, batch, cfg)
         return total / count
 
     _, grads = value_and_grad(mean_loss)(params)

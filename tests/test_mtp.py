@@ -8,7 +8,7 @@ from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.loss import masked_cross_entropy
 from lmfunc.model import mtp
-from lmfunc.model.aux_loss import attach_aux_loss
+from lmfunc.loss import attach_aux_loss
 from lmfunc.optim import GradientTransformation, adamw
 from lmfunc.precision import LossScaleConfig
 from lmfunc.train import TrainState, make_train_step
@@ -103,17 +103,17 @@ def test_step_gradients_equal_the_direct_mtp_objective(microbatches, per_token):
 @pytest.mark.parametrize("per_token", [True, False])
 def test_chunked_head_gradient_hints_are_exact_for_every_depth(monkeypatch, per_token):
     """Each chunked head (main and every MTP depth) is told the gradient it will receive, so its
-    backward factor ``incoming / hint`` is 1 (the fp16 range argument of ``head_loss``)."""
-    from lmfunc import head_loss
+    backward factor ``incoming / hint`` is 1 (the fp16 range argument of ``output_layer_loss``)."""
+    from lmfunc.loss import chunked_output
 
     factors = []
-    original = head_loss._ChunkedHeadLoss.backward
+    original = chunked_output._ChunkedOutputLayerLoss.backward
 
     def recording_backward(ctx, grad_loss, *rest):
         factors.append(float(grad_loss / ctx.saved_tensors[2]))
         return original(ctx, grad_loss, *rest)
 
-    monkeypatch.setattr(head_loss._ChunkedHeadLoss, "backward", staticmethod(recording_backward))
+    monkeypatch.setattr(chunked_output._ChunkedOutputLayerLoss, "backward", staticmethod(recording_backward))
     batch = lm_batch(MTP.vocab_size, microbatches=2, batch=2, seq=16)
     tx = record_grads()
     step = make_train_step(MTP, tx, clip_grad=0.0, calculate_per_token_loss=per_token, compile=False)

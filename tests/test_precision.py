@@ -10,7 +10,7 @@ from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import PrecisionConfig, TrainConfig
-from lmfunc.loss import lm_losses
+from lmfunc.loss import lm_loss
 from lmfunc.optim import adamw, warmup_decay_schedule
 from lmfunc.precision import (
     LossScaleConfig,
@@ -57,8 +57,8 @@ def test_loss_scale_never_backs_off_below_the_minimum_and_static_scale_stays():
 
 
 def overflowing_loss(params, micro, cfg, seed=None, grad_scale=None, per_token=True):
-    """``lm_losses``, poisoned to infinity when the microbatch's first token is 0 (the injected overflow)."""
-    out = lm_losses(params, micro, cfg, seed, grad_scale, per_token)
+    """``lm_loss``, poisoned to infinity when the microbatch's first token is 0 (the injected overflow)."""
+    out = lm_loss(params, micro, cfg, seed, grad_scale, per_token)
     poison = torch.where(micro["tokens"][0, 0] == 0, torch.tensor(math.inf), torch.tensor(1.0))
     return out._replace(loss_sum=out.loss_sum * poison)
 

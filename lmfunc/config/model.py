@@ -75,7 +75,7 @@ class ModelConfig:
     'full' recomputes each whole transformer block (only its input is kept)."""
     cross_entropy_chunk_tokens: int = 1024
     """Compute the output layer and its cross entropy this many tokens at a time, with their
-    gradients, so no [tokens, vocab] logits buffer outlives its chunk (``lmfunc.head_loss``;
+    gradients, so no [tokens, vocab] logits buffer outlives its chunk (``lmfunc.loss.chunked_output``;
     vocabulary tiling). 0 computes all logits at once. Not used with tensor-parallel or FSDP
     (DTensor) heads, which take the plain path."""
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config import ModelConfig
 from lmfunc.grad import value_and_grad
-from lmfunc.loss import lm_losses
+from lmfunc.loss import lm_loss
 from lmfunc.model import gpt
 from lmfunc.tree import tree_leaves
 
@@ -67,11 +67,11 @@ def _counts(mode: CommDebugMode) -> Counter:
 
 
 def measure_counts(params, microbatch: dict, cfg: ModelConfig) -> dict[str, Counter]:
-    """Collectives of ``lm_losses`` forward, and of forward + backward, for DTensor ``params`` and a
+    """Collectives of ``lm_loss`` forward, and of forward + backward, for DTensor ``params`` and a
     DTensor ``microbatch`` (``[B, S]`` tensors)."""
 
     def objective(p):
-        out = lm_losses(p, microbatch, cfg)
+        out = lm_loss(p, microbatch, cfg)
         return out.loss_sum, out
 
     with implicit_replication():

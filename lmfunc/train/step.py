@@ -3,7 +3,7 @@
 Inside: a loop over microbatches (each differentiates its share of the normalised, loss-scaled
 objective, so gradients just add up in fp32), unscaling and the finite check, global-norm
 clipping, the optimizer update (skipped on overflow), the loss-scaler update and the counters.
-Multi-token prediction adds its losses through ``attach_aux_loss`` inside ``lm_losses``. With
+Multi-token prediction adds its losses through ``attach_aux_loss`` inside ``lm_loss``. With
 ``compile=True`` the whole step is one ``torch.compile(fullgraph=True)`` graph.
 """
 
@@ -18,7 +18,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config import ModelConfig
 from lmfunc.grad import value_and_grad
-from lmfunc.loss import LossOutput, lm_losses
+from lmfunc.loss import LossOutput, lm_loss
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tree, update_loss_scale
@@ -82,7 +82,7 @@ def _compile(fn: Callable, compile: bool, backend: Union[str, Callable]) -> Call
 
 
 def make_eval_step(
-    cfg: ModelConfig, loss_fn: LossFn = lm_losses, compute_dtype: torch.dtype = torch.float32,
+    cfg: ModelConfig, loss_fn: LossFn = lm_loss, compute_dtype: torch.dtype = torch.float32,
     compile: bool = True, backend: Union[str, Callable] = "inductor",
 ) -> Callable[..., Metrics]:
     """``eval_step(params, batch) -> {"loss_sum", "num_tokens"}`` over all microbatches, no dropout,
@@ -106,7 +106,7 @@ def make_train_step(
     *,
     clip_grad: float = 1.0,
     lr_schedule: Optional[Schedule] = None,
-    loss_fn: LossFn = lm_losses,
+    loss_fn: LossFn = lm_loss,
     compute_dtype: torch.dtype = torch.float32,
     loss_scale: Optional[LossScaleConfig] = None,
     calculate_per_token_loss: bool = True,
@@ -125,7 +125,7 @@ def make_train_step(
     clip_grad: global-norm clip (Megatron's rule, after unscaling); 0 disables clipping.
     lr_schedule: reported as ``metrics["lr"]`` (the lr this update used) when given.
     loss_fn: ``loss_fn(params, microbatch, cfg, dropout_seed, mtp_grad_scale,
-        calculate_per_token_loss) -> LossOutput`` (``lmfunc.loss.lm_losses``).
+        calculate_per_token_loss) -> LossOutput`` (``lmfunc.loss.lm_loss``).
     compute_dtype: forward/backward dtype; params, grads and optimizer state stay fp32.
     loss_scale: loss scaling (static or dynamic); the state needs ``loss_scale`` from
         ``TrainState.create(..., loss_scale=...)``. A step with non-finite gradients leaves the

@@ -4,7 +4,7 @@ The plain head computes ``logits = hidden @ W`` for every token at once and keep
 ``[tokens, V]`` buffer alive into the backward, and the backward adds a second one for its
 gradient: with the default vocabulary that pair is the largest single item of a step's memory
 (MaxText's ``num_vocab_tiling``, Liger's fused linear cross entropy and Megatron's cross-entropy
-fusion attack the same buffers). ``chunked_head_loss`` walks the tokens in chunks of ``chunk``:
+fusion attack the same buffers). ``chunked_output_layer_loss`` walks the tokens in chunks of ``chunk``:
 each chunk's logits, log-sum-exp, loss and logits gradient ``softmax - onehot`` exist only while
 that chunk is processed, and the chunk's contributions to the gradients of ``hidden`` and ``W``
 are computed right there. What is kept for the backward is those two gradients (the size of
@@ -48,7 +48,7 @@ def _valid_mask(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mask * (labels != IGNORE_INDEX).to(mask.dtype)
 
 
-class _ChunkedHeadLoss(torch.autograd.Function):
+class _ChunkedOutputLayerLoss(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
@@ -83,7 +83,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden * factor.to(grad_hidden.dtype), grad_weight * factor.to(grad_weight.dtype), None, None, None, None
 
 
-def chunked_head_loss(
+def chunked_output_layer_loss(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor], chunk: int,
     grad_hint: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +102,7 @@ def chunked_head_loss(
     """
     loss_dtype = torch.promote_types(hidden.dtype, torch.float32)
     if chunk <= 0:
-        raise ValueError(f"chunked_head_loss: chunk must be a positive number of tokens, got {chunk}")
+        raise ValueError(f"chunked_output_layer_loss: chunk must be a positive number of tokens, got {chunk}")
     hidden2d, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if loss_mask is None:
         mask = torch.ones(flat_labels.shape, dtype=loss_dtype, device=hidden.device)
@@ -112,7 +112,7 @@ def chunked_head_loss(
         count = mask.sum()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         hint = torch.ones((), dtype=loss_dtype, device=hidden.device) if grad_hint is None else grad_hint.to(loss_dtype)
-        loss, _, _ = _ChunkedHeadLoss.apply(hidden2d, weight, flat_labels, mask, hint, chunk)
+        loss, _, _ = _ChunkedOutputLayerLoss.apply(hidden2d, weight, flat_labels, mask, hint, chunk)
         return loss, count
     loss = torch.zeros((), dtype=loss_dtype, device=hidden.device)
     for start in range(0, hidden2d.shape[0], chunk):

@@ -7,8 +7,8 @@ import torch
 
 from lmfunc import model
 from lmfunc.config import ConfigError, model_preset
-from lmfunc.head_loss import chunked_head_loss
-from lmfunc.loss import lm_losses, masked_cross_entropy
+from lmfunc.loss.chunked_output import chunked_output_layer_loss
+from lmfunc.loss import lm_loss, masked_cross_entropy
 from lmfunc.optim import adamw
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import tree_flatten, tree_max_abs_diff, tree_unflatten
@@ -33,7 +33,7 @@ def test_chunked_head_loss_equals_the_plain_head_in_float64(chunk, masked):
     mask = mask if masked else None
     reference, reference_count = masked_cross_entropy(hidden @ weight, labels, mask)
     reference_grads = torch.autograd.grad(reference * 0.7, (hidden, weight))
-    loss, count = chunked_head_loss(hidden, weight, labels, mask, chunk)
+    loss, count = chunked_output_layer_loss(hidden, weight, labels, mask, chunk)
     grads = torch.autograd.grad(loss * 0.7, (hidden, weight))
     assert loss.dtype == torch.float64
     assert float(count) == float(reference_count)
@@ -47,7 +47,7 @@ def test_chunked_head_loss_in_bf16_matches_the_plain_head():
     hidden, weight = hidden.bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
     reference, _ = masked_cross_entropy(hidden @ weight, labels, mask)
     reference_grads = torch.autograd.grad(reference, (hidden, weight))
-    loss, _ = chunked_head_loss(hidden, weight, labels, mask, 16)
+    loss, _ = chunked_output_layer_loss(hidden, weight, labels, mask, 16)
     grads = torch.autograd.grad(loss, (hidden, weight))
     assert loss.dtype == torch.float32
     assert float(loss.detach()) == pytest.approx(float(reference.detach()), rel=1e-3)
@@ -60,14 +60,14 @@ def test_without_gradients_only_the_loss_is_computed():
     hidden, weight, labels, mask = (x.detach() for x in head_inputs(torch.float64))
     reference, _ = masked_cross_entropy(hidden @ weight, labels, mask)
     with torch.no_grad():
-        loss, _ = chunked_head_loss(hidden, weight, labels, mask, 10)
+        loss, _ = chunked_output_layer_loss(hidden, weight, labels, mask, 10)
     assert abs(float(loss) - float(reference)) < 1e-10
 
 
 def test_bad_chunk_is_refused():
     hidden, weight, labels, mask = head_inputs(torch.float32)
     with pytest.raises(ValueError, match="chunk must be a positive"):
-        chunked_head_loss(hidden, weight, labels, mask, 0)
+        chunked_output_layer_loss(hidden, weight, labels, mask, 0)
     with pytest.raises(ConfigError, match="model.cross_entropy_chunk_tokens must be >= 0"):
         dataclasses.replace(model_preset("tiny"), cross_entropy_chunk_tokens=-1)
 
@@ -90,7 +90,7 @@ def test_lm_losses_with_chunks_equal_the_plain_head(tie):
 def _loss_and_grads(params, batch, cfg, scale):
     leaves, spec = tree_flatten(params)
     leaves = [p.detach().requires_grad_(True) for p in leaves]
-    out = lm_losses(tree_unflatten(leaves, spec), batch, cfg, None, scale)
+    out = lm_loss(tree_unflatten(leaves, spec), batch, cfg, None, scale)
     return out, tree_unflatten(list(torch.autograd.grad(out.loss_sum, leaves)), spec)
 
 
@@ -119,6 +119,6 @@ def test_any_grad_hint_gives_the_same_gradients(hint):
     hidden, weight, labels, mask = head_inputs(torch.float64)
     reference, _ = masked_cross_entropy(hidden @ weight, labels, mask)
     reference_grads = torch.autograd.grad(reference * 0.7, (hidden, weight))
-    loss, _ = chunked_head_loss(hidden, weight, labels, mask, 10, grad_hint=torch.tensor(hint))
+    loss, _ = chunked_output_layer_loss(hidden, weight, labels, mask, 10, grad_hint=torch.tensor(hint))
     for got, want in zip(torch.autograd.grad(loss * 0.7, (hidden, weight)), reference_grads):
         assert float((got - want).abs().max()) < 1e-12

@@ -5,7 +5,7 @@ gradient through and gives ``aux_loss`` the gradient ``scale``, as if ``scale * 
 added to the objective. The scale is a tensor (the loss scale times the microbatch or token
 normalisation), so changing it never recompiles. Written in the ``setup_context`` style with
 ``generate_vmap_rule``, the form that works under ``torch.func``, ``autograd.grad`` and
-``torch.compile(fullgraph=True)`` alike (``../shared/reference/feasibility.md`` item 2b).
+``torch.compile(fullgraph=True)`` alike (``tests/test_mtp.py`` compiles it with ``autograd.grad``).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from lmfunc import model
 from lmfunc.config import ModelConfig
-from lmfunc.head_loss import chunked_head_loss
+from lmfunc.loss.aux import attach_aux_loss
+from lmfunc.loss.chunked_output import chunked_output_layer_loss
 from lmfunc.model import mtp
-from lmfunc.model.aux_loss import attach_aux_loss
 from lmfunc.model.layers import upcast
 from lmfunc.parallel.placement import vocab_parallel
 
@@ -41,17 +41,17 @@ def masked_cross_entropy(
     return (per_token * mask).sum(), mask.sum()
 
 
-def head_loss(
+def output_layer_loss(
     params: model.gpt.Params, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
     cfg: ModelConfig, grad_hint: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``masked_cross_entropy(model.logits(params, hidden, cfg), labels, loss_mask)``; in chunks of
-    ``cfg.cross_entropy_chunk_tokens`` tokens (``lmfunc.head_loss``, with ``grad_hint``, the
+    ``cfg.cross_entropy_chunk_tokens`` tokens (``lmfunc.loss.chunked_output``, with ``grad_hint``, the
     gradient the loss sum will receive) unless that is 0 or the head is a DTensor (tensor parallel
     or FSDP: vocab-parallel cross entropy on the full logits)."""
     weight = model.gpt.output_weight(params, cfg)
     if cfg.cross_entropy_chunk_tokens > 0 and not isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
-        return chunked_head_loss(hidden, weight, labels, loss_mask, cfg.cross_entropy_chunk_tokens, grad_hint)
+        return chunked_output_layer_loss(hidden, weight, labels, loss_mask, cfg.cross_entropy_chunk_tokens, grad_hint)
     return masked_cross_entropy(hidden @ weight, labels, loss_mask)
 
 
@@ -82,22 +82,23 @@ def mtp_aux_loss(
     return weight * per_depth.sum()
 
 
-def lm_loss(
+def lm_loss_sum(
     params: model.gpt.Params,
     batch: Mapping[str, torch.Tensor],
     cfg: ModelConfig,
     dropout_seed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token loss of one batch: ``(sum_of_token_losses, num_tokens)`` (no MTP depths).
+    """Next-token loss of one batch as the pair ``(sum_of_token_losses, num_tokens)`` (no MTP
+    depths): the form ``value_and_grad(lm_loss_sum, has_aux=True)`` differentiates.
 
     ``batch`` holds ``tokens`` and ``labels`` ``[B, S]`` and optionally ``loss_mask``,
     ``position_ids`` and ``doc_ids`` ``[B, S]``.
     """
-    out = lm_losses(params, batch, cfg, dropout_seed)
+    out = lm_loss(params, batch, cfg, dropout_seed)
     return out.loss_sum, out.num_tokens
 
 
-def lm_losses(
+def lm_loss(
     params: model.gpt.Params,
     batch: Mapping[str, torch.Tensor],
     cfg: ModelConfig,
@@ -113,7 +114,7 @@ def lm_losses(
         objective (``mtp_aux_loss``) is attached to the final hidden states with
         ``attach_aux_loss``, receiving this gradient (the loss scale times the step's
         normalisation). Without it (evaluation) the MTP depths are skipped. It is also the range
-        hint of the chunked head (``head_loss``).
+        hint of the chunked head (``output_layer_loss``).
     """
     tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch.get("loss_mask")
     grad_hint = mtp_grad_scale
@@ -133,13 +134,13 @@ def lm_losses(
         for h in mtp.forward(params, hidden, tokens, cfg, positions, doc_ids, dropout_seed):
             depth_labels, depth_mask = mtp.roll_left(depth_labels), mtp.roll_left(depth_mask)
             depth_hint = aux_grad / torch.clamp(depth_mask.sum(), min=1.0)
-            depth_sum, depth_count = head_loss(params, h, depth_labels, depth_mask, cfg, depth_hint)
+            depth_sum, depth_count = output_layer_loss(params, h, depth_labels, depth_mask, cfg, depth_hint)
             mtp_sums.append(depth_sum)
             mtp_counts.append(depth_count)
         sums, counts = torch.stack(mtp_sums), torch.stack(mtp_counts)
         aux = mtp_aux_loss(sums, counts, main_count, cfg, calculate_per_token_loss)
         hidden = attach_aux_loss(hidden, aux, mtp_grad_scale)
-    loss_sum, num_tokens = head_loss(params, hidden, labels, loss_mask, cfg, grad_hint)
+    loss_sum, num_tokens = output_layer_loss(params, hidden, labels, loss_mask, cfg, grad_hint)
     if not mtp_sums:
         return LossOutput(loss_sum, num_tokens, loss_sum.new_zeros(0), loss_sum.new_zeros(0))
     return LossOutput(loss_sum, num_tokens, sums, counts)
