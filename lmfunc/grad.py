@@ -5,8 +5,9 @@ on fresh leaves made with ``detach().requires_grad_(True)``. ``torch.func.grad_a
 would be the obvious choice, but it wraps its inputs and hides the DTensor API
 (``.placements``, ``.redistribute``; pytorch#134462), which lmfunc's parallelism needs.
 ``torch.autograd.grad`` works for plain tensors and DTensors alike and traces inside
-``torch.compile(fullgraph=True)`` once ``torch._dynamo.config.trace_autograd_ops`` is on — a
-private flag, set here at import. ``tests/test_grad.py`` fails if that stops compiling.
+``torch.compile(fullgraph=True)`` while ``torch._dynamo.config.trace_autograd_ops`` is on — a
+private flag that ``lmfunc.compiler.compile_step`` turns on while it traces (never globally).
+``tests/test_grad.py`` fails if that stops compiling.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch._dynamo
 
 from lmfunc.tree import PyTree, tree_leaves, tree_map, tree_unflatten_as
-
-torch._dynamo.config.trace_autograd_ops = True
 
 
 def _detach(x: Any) -> Any:
@@ -33,7 +31,7 @@ def value_and_grad(
     ``fn`` must return a scalar tensor (or ``(scalar, aux)`` with ``has_aux``). ``grads`` is a
     pytree shaped like ``args[argnum]``: floating-point leaves get their gradient (zeros where
     the value does not depend on them), other leaves come back as ``None``. The value and
-    aux are detached. Works eagerly and inside ``torch.compile(fullgraph=True)``.
+    aux are detached. Works eagerly and compiled (``lmfunc.compiler.compile_step``).
     """
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PyTree]:

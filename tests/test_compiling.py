@@ -1,12 +1,14 @@
 import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch._inductor
 from torch._guards import TracingContext
 
-from lmfunc.train import compiling
+from lmfunc.compiler import compiling
 
 
 def test_inductor_compiles_on_the_first_call_after_dynamo_capture(monkeypatch):
@@ -52,3 +54,28 @@ def test_release_compile_garbage_returns_free_heap_pages_to_the_os():
     compiling.release_compile_garbage()
     assert before - rss_mib() > 40, "75 MB freed in 4 KB blocks: most of it should leave the process"
     assert len(kept) == 1250
+
+
+def test_importing_lmfunc_and_running_a_compiled_step_change_no_torch_setting():
+    """lmfunc's torch settings (Dynamo's trace_autograd_ops, AOTAutograd's tag recompute, Inductor's
+    in-place reuse) hold only while a step is traced or compiled: after importing every package
+    and running a compiled step, torch's configs are what they were."""
+    script = """
+import torch, torch._dynamo, torch._functorch.config, torch._inductor.config, torch._inductor.scheduler
+def snapshot():
+    return (torch._dynamo.config.get_config_copy(), torch._functorch.config.get_config_copy(),
+            torch._inductor.config.get_config_copy(),
+            dict(vars(torch._inductor.scheduler.BaseSchedulerNode)))
+before = snapshot()
+import lmfunc, lmfunc.compiler, lmfunc.train, lmfunc.loss, lmfunc.parallel, lmfunc.checkpoint, lmfunc.data
+assert snapshot() == before, "importing lmfunc changed a torch setting"
+from lmfunc.compiler import compile_step
+from lmfunc.grad import value_and_grad
+grad_fn = compile_step(value_and_grad(lambda p: (p["w"] ** 2).sum()))
+(_, grads) = grad_fn({"w": torch.ones(3)})
+assert torch.equal(grads["w"], torch.full((3,), 2.0))
+assert snapshot() == before, "a compiled step left a torch setting changed"
+print("unchanged")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "unchanged" in out.stdout, out.stderr[-3000:]

@@ -3,6 +3,7 @@ import torch
 import torch._dynamo.testing
 
 from lmfunc import value_and_grad
+from lmfunc.compiler import tracing_settings
 
 
 def quadratic(params, x):
@@ -35,13 +36,15 @@ def test_non_scalar_value_is_a_clear_error():
 
 
 def test_compiles_to_one_graph_with_autograd_grad():
-    """Pins the private torch._dynamo.config.trace_autograd_ops path: fails if it stops tracing."""
+    """Pins the private torch._dynamo.config.trace_autograd_ops path (``tracing_settings``): fails
+    if it stops tracing."""
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     grad_fn = torch.compile(value_and_grad(quadratic, has_aux=True), fullgraph=True, backend=counter)
     params, x = {"w": torch.randn(3, 4), "b": torch.randn(3)}, torch.randn(4)
-    (value, _), grads = grad_fn(params, x)
+    with tracing_settings():
+        (value, _), grads = grad_fn(params, x)
+        grad_fn(params, x + 1)
     (ref_value, _), ref_grads = value_and_grad(quadratic, has_aux=True)(params, x)
-    grad_fn(params, x + 1)
     assert counter.frame_count == 1
     torch.testing.assert_close(value, ref_value)
     torch.testing.assert_close(grads["w"], ref_grads["w"])

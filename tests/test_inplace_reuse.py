@@ -1,11 +1,11 @@
-"""``lmfunc.train.inplace_reuse``: Inductor keeps writing kernels' results into a matmul's buffer
+"""``lmfunc.compiler.inplace_reuse``: Inductor keeps writing kernels' results into a matmul's buffer
 when the graph also writes into the matmul's weight (as the donating train step does)."""
 
 import torch
 import torch._inductor.config
 from torch._inductor.utils import run_and_get_code
 
-from lmfunc.train.inplace_reuse import inplace_reuse_despite_input_writes
+from lmfunc.compiler.inplace_reuse import inplace_reuse_despite_input_writes
 
 
 def _update(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def test_the_pointwise_kernel_writes_into_the_matmul_buffer_and_results_match_ea
     _, code = _compile_and_run(w_plain, x)
     # torch 2.13's rule: the write into w makes Inductor allocate a new buffer for relu's result.
     # When this fails, Inductor stopped counting ordering-only users and inplace_reuse can go.
-    assert not _pointwise_writes_in_place(code), "Inductor now reuses the buffer on its own; drop lmfunc.train.inplace_reuse"
+    assert not _pointwise_writes_in_place(code), "Inductor now reuses the buffer on its own; drop lmfunc.compiler.inplace_reuse"
 
     w_fixed = w0.clone()
     with inplace_reuse_despite_input_writes():

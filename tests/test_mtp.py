@@ -5,10 +5,10 @@ import torch
 import torch._dynamo.testing
 
 from lmfunc import model
+from lmfunc.compiler import compile_step
 from lmfunc.config import model_preset
-from lmfunc.loss import masked_cross_entropy
+from lmfunc.loss import attach_aux_loss, masked_cross_entropy
 from lmfunc.model import mtp
-from lmfunc.loss import attach_aux_loss
 from lmfunc.optim import GradientTransformation, adamw
 from lmfunc.precision import LossScaleConfig
 from lmfunc.train import TrainState, make_train_step
@@ -40,7 +40,7 @@ def test_attach_aux_loss_compiles_with_autograd_grad():
         return torch.autograd.grad(attach_aux_loss(x * y, 3 * (x + y), scale), [x, y])
 
     x, y = torch.tensor(2.0, requires_grad=True), torch.tensor(3.0, requires_grad=True)
-    dx, dy = torch.compile(grads, fullgraph=True)(x, y, torch.tensor(0.6))
+    dx, dy = compile_step(grads, backend="aot_eager")(x, y, torch.tensor(0.6))
     assert float(dx) == pytest.approx(4.8) and float(dy) == pytest.approx(3.8)
 
 

@@ -7,7 +7,8 @@ import torch._inductor.config
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import GradientTransformation
-from lmfunc.train import TrainState, make_train_step, remat
+from lmfunc.compiler import remat
+from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import tree_max_abs_diff, tree_zeros_like
 from tests.helpers import lm_batch
 

@@ -12,9 +12,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import adamw
-from lmfunc.train import TrainState, compiling, make_train_step, remat
+from lmfunc.compiler import compiling, remat
+from lmfunc.train import TrainState, make_train_step
 from lmfunc.train import step as step_module
-from lmfunc.train.saved_values import choose_recompute, is_backward
+from lmfunc.compiler.saved_values import choose_recompute, is_backward
 from lmfunc.tree import tree_max_abs_diff
 from tests.helpers import lm_batch
 
@@ -104,7 +105,7 @@ def run_compiled(monkeypatch, cfg, choose_saved: bool):
 
     remat_original = remat.rematerialize
     monkeypatch.setattr(remat, "rematerialize", measuring)
-    monkeypatch.setattr(step_module, "compile_step", functools.partial(compiling.compile_step, choose_saved=choose_saved))
+    monkeypatch.setattr(step_module, "compile_graph", functools.partial(compiling.compile_graph, choose_saved=choose_saved))
     tx = adamw(1e-3, weight_decay=0.1)
     train_step = make_train_step(cfg, tx)
     state = TrainState.create(model.init(cfg, seed=0), tx)

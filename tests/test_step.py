@@ -128,7 +128,7 @@ def test_donating_step_lowers_to_no_more_inductor_nodes_than_the_plain_step():
 
 def test_donating_step_needs_no_more_memory_than_the_plain_step(tmp_path):
     """Writing into the parameters must not cost Inductor's in-place reuse of the buffers made by ops
-    that read them (``lmfunc.train.inplace_reuse``). Without it the softmax gradient of each logits
+    that read them (``lmfunc.compiler.inplace_reuse``). Without it the softmax gradient of each logits
     chunk gets a new buffer next to the chunk's logits, and this donating step peaks 2.6% above the
     plain one (5.55 against 5.41 MB); with it, 1.8% below."""
     cfg = dataclasses.replace(TINY, vocab_size=2048)

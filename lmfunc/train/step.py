@@ -22,7 +22,7 @@ from lmfunc.loss import LossOutput, lm_loss
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tree, update_loss_scale
-from lmfunc.train.compiling import compile_step
+from lmfunc.compiler import compile_graph, tracing_settings
 from lmfunc.train.state import TrainState
 from lmfunc.parallel.sharding import match_placements
 from lmfunc.tree import PyTree, flatten_with_paths, tree_leaves, tree_map, tree_unflatten_as
@@ -67,18 +67,24 @@ def full_metrics(metrics: Metrics) -> Metrics:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in metrics.items()}
 
 
-def _compile(fn: Callable, compile: bool, backend: Union[str, Callable]) -> Callable:
-    """``fn`` (compiled with ``compile_step`` when asked), called inside ``distributed_context`` of
-    its first argument's params (the context is entered outside the compiled region: Dynamo cannot
-    trace it)."""
-    inner = compile_step(fn, backend) if compile else fn
+def _callable_step(
+    fn: Callable, compile: bool, backend: Union[str, Callable], before: Optional[Callable] = None,
+) -> Callable:
+    """The one wrapper a step call passes through: ``before(first_arg)`` (a check, when given),
+    then ``fn`` (compiled with ``compile_graph`` when asked) inside ``distributed_context`` of the
+    first argument's params and, compiled, ``tracing_settings()``. Both contexts are entered
+    outside the compiled region: Dynamo cannot trace them."""
+    inner = compile_graph(fn, backend) if compile else fn
+    tracing = tracing_settings if compile else contextlib.nullcontext
 
-    def run(state_or_params, batch):
+    def step(state_or_params, batch):
+        if before is not None:
+            before(state_or_params)
         params = state_or_params.params if isinstance(state_or_params, TrainState) else state_or_params
-        with distributed_context(params):
+        with tracing(), distributed_context(params):
             return inner(state_or_params, batch)
 
-    return run
+    return step
 
 
 def make_eval_step(
@@ -97,7 +103,7 @@ def make_eval_step(
             loss_sum, num_tokens = loss_sum + out.loss_sum, num_tokens + out.num_tokens
         return full_metrics({"loss_sum": loss_sum, "num_tokens": num_tokens})
 
-    return _compile(eval_step, compile, backend)
+    return _callable_step(eval_step, compile, backend)
 
 
 def make_train_step(
@@ -219,15 +225,8 @@ def make_train_step(
         )
         return new_state, metrics
 
-    compiled = _compile(train_step, compile, backend)
-    if not donate_state:
-        return compiled
-
-    def donating_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        check_no_shared_storage((state.params, state.opt_state))
-        return compiled(state, batch)
-
-    return donating_step
+    check = (lambda state: check_no_shared_storage((state.params, state.opt_state))) if donate_state else None
+    return _callable_step(train_step, compile, backend, before=check)
 
 
 def _is_donated(leaf) -> bool:

@@ -11,7 +11,7 @@ single backward region — one microbatch — and refuses every op tagged ``nond
 which includes the CPU flash-attention kernel even at ``dropout_p = 0``. This pass handles one
 backward pass per microbatch and accepts attention kernels whose dropout is 0 (lmfunc's own
 dropout is a pure function of its seed, so recomputing it is exact).
-``lmfunc.train.compiling.compile_step`` turns the built-in pass off for the step and installs this
+``lmfunc.compiler.compiling`` turns the built-in pass off for the step and installs this
 one.
 """
 
@@ -22,8 +22,8 @@ import torch.fx as fx
 from torch._functorch.partitioners import cleanup_recompute_tags, must_recompute
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from lmfunc.train import inplace_reuse, saved_values
-from lmfunc.train.saved_values import is_backward, tag_recompute
+from lmfunc.compiler import inplace_reuse, saved_values
+from lmfunc.compiler.saved_values import is_backward, tag_recompute
 
 
 def _dropout_p(node: fx.Node) -> float:
@@ -85,7 +85,7 @@ def rematerialize(graph: fx.Graph, choose: bool = True) -> None:
     """Recompute every "recompute"-tagged node in each backward group that uses it (in place).
 
     choose: first tag the cheap forward ops whose recomputation shrinks the values kept for the
-        backward (``lmfunc.train.saved_values``), as AOTAutograd's partitioner would.
+        backward (``lmfunc.compiler.saved_values``), as AOTAutograd's partitioner would.
     """
     cleanup_recompute_tags(graph.owning_module, is_default_partition=True)
     if choose:

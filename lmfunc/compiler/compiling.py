@@ -7,7 +7,7 @@ tracing state is garbage: it is collected first, so Dynamo's and Inductor's work
 never alive at once. Both are tens of MiB of small Python objects for the one large step graph,
 and the arenas Python's allocator takes for them at the peak stay resident afterwards (a few
 long-lived objects keep each arena). On the benchmark workload the two stages save 5 of those
-1-MiB arenas and 4–8 MiB of the process's peak (``docs/benchmarks.md``). After Inductor,
+1-MiB arenas and 4–8 MiB of the process's peak. After Inductor,
 ``release_compile_garbage`` frees the cyclic garbage and glibc's free heap pages before the
 compiled code first runs (its first run already reaches the step's peak).
 """
@@ -24,8 +24,8 @@ from typing import Any, Callable, Union
 import torch
 import torch._inductor
 
-from lmfunc.train import inplace_reuse
-from lmfunc.train.remat import RematPass
+from lmfunc.compiler import inplace_reuse
+from lmfunc.compiler.remat import RematPass
 
 
 def release_compile_garbage() -> None:
@@ -44,7 +44,8 @@ def release_compile_garbage() -> None:
 def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
     """A Dynamo backend that returns at once and compiles the captured graph with Inductor (with
     these config ``options``) on its first call, with that call's inputs as example inputs, after
-    Dynamo's capture has ended; ``release_compile_garbage`` runs before and after the compile."""
+    Dynamo's capture has ended; ``release_compile_garbage`` runs before and after the compile. The
+    torch settings lmfunc's passes need (``_inductor_settings``) hold during that compile only."""
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         compiled = None
@@ -53,13 +54,32 @@ def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
             nonlocal compiled
             if compiled is None:
                 release_compile_garbage()
-                compiled = torch._inductor.compile(graph, list(args), options)
+                with _inductor_settings():
+                    compiled = torch._inductor.compile(graph, list(args), options)
                 release_compile_garbage()
             return compiled(*args)
 
         return run
 
     return backend
+
+
+@contextlib.contextmanager
+def _inductor_settings():
+    """While AOTAutograd and Inductor compile the step: AOTAutograd's own recompute of tagged ops
+    is off (``lmfunc.compiler.remat`` does it, per microbatch), and Inductor reuses a matmul's
+    buffer in place although the graph writes into its inputs (``inplace_reuse``)."""
+    with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False):
+        with inplace_reuse.inplace_reuse_despite_input_writes():
+            yield
+
+
+def tracing_settings() -> contextlib.AbstractContextManager:
+    """The Dynamo setting a step needs while it is traced: ``torch.autograd.grad`` (``lmfunc.grad``)
+    traced into the graph, through the private ``torch._dynamo.config.trace_autograd_ops``
+    (``tests/test_grad.py`` fails if it stops working). lmfunc never sets it globally: importing
+    lmfunc changes no torch setting (``tests/test_compiling.py``)."""
+    return torch._dynamo.config.patch(trace_autograd_ops=True)
 
 
 def with_own_code(fn: Callable) -> Callable:
@@ -78,29 +98,33 @@ def with_own_code(fn: Callable) -> Callable:
     return functools.update_wrapper(copy, fn)
 
 
-def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
-    """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass.
+def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
+    """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass; call the
+    result inside ``tracing_settings()`` (``compile_step`` does both).
 
     Each call compiles a copy of ``fn`` with its own code object (``with_own_code``): steps built
     from the same function never share, or exhaust, one Dynamo cache.
 
-    With the Inductor backend the recompute pass (``lmfunc.train.remat``) runs on the step's graph,
+    With the Inductor backend the recompute pass (``lmfunc.compiler.remat``) runs on the step's graph,
     Inductor keeps its in-place buffer reuse although the graph writes into its inputs
-    (``lmfunc.train.inplace_reuse``), and Inductor compiles on the first call, after Dynamo's
+    (``lmfunc.compiler.inplace_reuse``), and Inductor compiles on the first call, after Dynamo's
     capture (see the module docstring). Other backends get the graph without any of these
     (recompute tags are then ignored: numerically the same, more memory).
     choose_saved: recompute cheap forward ops in the backward where that keeps fewer bytes
-        (``lmfunc.train.saved_values``); False keeps every forward value a backward op reads.
+        (``lmfunc.compiler.saved_values``); False keeps every forward value a backward op reads.
     """
-    inductor = backend == "inductor"
-    if inductor:
+    if backend == "inductor":
         backend = _inductor_on_first_call({"post_grad_custom_pre_pass": RematPass(choose_saved)})
-    compiled = torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend)
+    return torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend)
 
-    inplace = inplace_reuse.inplace_reuse_despite_input_writes if inductor else contextlib.nullcontext
+
+def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
+    """``compile_graph(fn, backend, choose_saved)``, each call made inside ``tracing_settings()``:
+    the way to compile any function that differentiates with ``lmfunc.grad.value_and_grad``."""
+    compiled = compile_graph(fn, backend, choose_saved)
 
     def run(*args, **kwargs):
-        with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False), inplace():
+        with tracing_settings():
             return compiled(*args, **kwargs)
 
     return run
