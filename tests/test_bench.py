@@ -1,4 +1,4 @@
-"""The train-step benchmark's workload and its paired timing (``lmfunc.bench_workload``, ``lmfunc.bench_paired``)."""
+"""The train-step benchmark's workload and its paired timing (``experiments.bench.workload``, ``experiments.bench.paired``)."""
 
 import gc
 import itertools
@@ -10,10 +10,11 @@ import weakref
 import pytest
 import torch
 
+from experiments.bench.config import BenchConfig
+from experiments.bench.paired import paired_summary, round_orders, run_paired_worker, time_in_turn
+from experiments.bench.train_step import main
+from experiments.bench.workload import model_config, module_step
 from lmfunc import model
-from lmfunc.bench import BenchConfig, main
-from lmfunc.bench_paired import paired_summary, round_orders, run_paired_worker, time_in_turn
-from lmfunc.bench_workload import model_config, module_step
 from lmfunc.tree import tree_leaves
 
 SMALL = dict(layers=1, heads=2, hidden=32, seq=16, vocab=64, batch=2, warmup=0)

@@ -2,7 +2,8 @@ import dataclasses
 
 import pytest
 
-from lmfunc.bench import BenchConfig, run_worker
+from experiments.bench.config import BenchConfig
+from experiments.bench.train_step import run_worker
 from lmfunc.config import ModelConfig
 from lmfunc.metrics import flops_per_token, mfu
 

@@ -126,7 +126,7 @@ def test_training_command_gives_the_same_losses_on_any_layout(tmp_path):
 @pytest.mark.parametrize("layout, extra", [("dp_shard=2", []), ("tp=2", []), ("tp=2", ["--sequence-parallel"])])
 def test_comm_report_counts_equal_the_expected_ones(layout, extra, tmp_path):
     out = tmp_path / "comm.json"
-    torchrun(2, ["-m", "lmfunc.bench", "--comm", layout, *extra, "--layers", "3", "--hidden", "64", "--heads", "4",
+    torchrun(2, ["-m", "experiments.bench", "--comm", layout, *extra, "--layers", "3", "--hidden", "64", "--heads", "4",
                  "--vocab", "256", "--seq", "32", "--batch", "4", "--json-out", str(out)])
     result = json.loads(out.read_text())
     for name, want in result["expected"].items():

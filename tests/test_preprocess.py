@@ -114,7 +114,7 @@ def test_cli_and_merge(tmp_path, capsys):
 
 
 def test_data_benchmark_runs(capsys):
-    from lmfunc.bench_data import DataBenchConfig, main as bench_main
+    from experiments.bench.data import DataBenchConfig, main as bench_main
 
     bench_main(DataBenchConfig(megabytes=0.3, workers=(1,), repeats=1, batches=5, seq_length=32))
     out = capsys.readouterr().out

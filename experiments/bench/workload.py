@@ -1,19 +1,18 @@
 """The benchmark's workload: its model and a training step of each variant on one fixed batch.
 
-Used by ``python -m lmfunc.bench`` (one process per variant) and its ``--paired`` mode (all
-variants in one process, ``lmfunc.bench_paired``).
+Used by ``python -m experiments.bench`` (one process per variant) and its ``--paired`` mode (all
+variants in one process, ``experiments.bench.paired``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from lmfunc.bench import BenchConfig
+from experiments.bench.config import BenchConfig
 
 
-def model_config(bc: "BenchConfig"):
+def model_config(bc: BenchConfig):
     """The benchmark's ``ModelConfig`` (Megatron-style GPT defaults at the chosen sizes)."""
     from lmfunc.config import ModelConfig
 
@@ -98,7 +97,7 @@ def module_step(cfg, params, compiled: bool):
     return step
 
 
-def make_step(bc: "BenchConfig", variant: str) -> Callable[[], Any]:
+def make_step(bc: BenchConfig, variant: str) -> Callable[[], Any]:
     """One training step of ``variant`` on the benchmark's model and fixed batch, as a call that
     returns the step's loss tensor (every variant starts from the same weights)."""
     import torch

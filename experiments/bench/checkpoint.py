@@ -1,4 +1,4 @@
-"""``python -m lmfunc.bench_checkpoint``: checkpoint save/load times and the training stall of async saves.
+"""``python -m experiments.bench.checkpoint``: checkpoint save/load times and the training stall of async saves.
 
 Workload: the default ``TrainConfig`` (the ``small`` model, seq 256, 8 sequences per step, fp32
 AdamW state: params + two moments) and its compiled train step on synthetic tokens, one process.
@@ -152,4 +152,4 @@ def main(bc: CheckpointBenchConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(CheckpointBenchConfig, prog="python -m lmfunc.bench_checkpoint"))
+    main(tyro.cli(CheckpointBenchConfig, prog="python -m experiments.bench.checkpoint"))

@@ -3,7 +3,7 @@
 On a shared machine the speed of a whole process drifts (other jobs take turns on the cores), so
 two variants timed in separate processes can differ by a few percent that neither causes. Timed in
 turn inside one process, the two steps of a round see the same conditions, and the per-round ratio
-of their times cancels the drift. ``python -m lmfunc.bench --paired`` uses this for speed; peak
+of their times cancels the drift. ``python -m experiments.bench --paired`` uses this for speed; peak
 memory still needs a process per variant (the default mode).
 """
 
@@ -14,10 +14,10 @@ import itertools
 import json
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-if TYPE_CHECKING:
-    from lmfunc.bench import BenchConfig
+from experiments.bench.config import BenchConfig
+from experiments.bench.workload import make_step
 
 
 def round_orders(names: Sequence[str], rounds: int) -> list[tuple[str, ...]]:
@@ -68,12 +68,11 @@ def paired_summary(times: Mapping[str, Sequence[float]], reference: str) -> dict
     return summary
 
 
-def run_paired_worker(bc: "BenchConfig") -> dict:
+def run_paired_worker(bc: BenchConfig) -> dict:
     """``--paired`` worker: build every variant here, compile and warm each up, then time them in
     turn for ``bc.steps`` rounds; returns ``{"first_loss": {...}, "times": {variant: [s, ...]}}``."""
     import torch
 
-    from lmfunc.bench_workload import make_step
 
     torch.set_num_threads(bc.threads)
     steps = {variant: make_step(bc, variant) for variant in bc.variants}
@@ -84,7 +83,7 @@ def run_paired_worker(bc: "BenchConfig") -> dict:
     return {"first_loss": first_loss, "times": time_in_turn(steps, bc.steps)}
 
 
-def report(bc: "BenchConfig", results: list[dict], tokens: int, mfu_per_token_s: float) -> None:
+def report(bc: BenchConfig, results: list[dict], tokens: int, mfu_per_token_s: float) -> None:
     """Print the pooled rounds of the ``--paired`` workers, each variant against the last one, then
     each process's own medians: another job busy during all of a process's rounds can slow one
     variant more than the other, which pairing within the process does not cancel, so compare

@@ -1,4 +1,4 @@
-"""``python -m lmfunc.bench_data``: data pipeline throughput — preprocess MB/s and loader samples/s.
+"""``python -m experiments.bench.data``: data pipeline throughput — preprocess MB/s and loader samples/s.
 
 Workload: the embedded corpus (Python reference topics) written as JSON lines and repeated to
 ``--megabytes`` MB, preprocessed with the byte tokenizer (or a locally trained BPE) and ``--append-eod`` at each worker count
@@ -94,4 +94,4 @@ def main(bc: DataBenchConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(DataBenchConfig))
+    main(tyro.cli(DataBenchConfig, prog="python -m experiments.bench.data"))

@@ -1,4 +1,4 @@
-"""``python -m lmfunc.bench``: train-step throughput of lmfunc's functional step vs an nn.Module baseline.
+"""``python -m experiments.bench``: train-step throughput of lmfunc's functional step vs an nn.Module baseline.
 
 Variants (each run in its own process, alternated across repeats because this box is noisy):
   func-eager       lmfunc ``make_train_step(compile=False, donate_state=True)``
@@ -14,7 +14,7 @@ cache, so it is a cold compile; with ``--warm-cache`` it is the time to load the
 Memory is the process's RSS on ``--device cpu`` (exact tensor accounting with ``--memory-mode``)
 and the CUDA caching allocator's allocated bytes on ``--device cuda``.
 ``--paired`` compares speed only, with the variants' steps run in turn inside one process and
-each judged by its per-round time ratio to the last variant (``lmfunc.bench_paired``): a few
+each judged by its per-round time ratio to the last variant (``experiments.bench.paired``): a few
 percent of process-to-process drift cancels that alternating whole processes does not.
 """
 
@@ -28,66 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 import tyro
 
-from lmfunc import bench_paired
-from lmfunc.bench_workload import make_step, model_config
-
-VARIANTS = ("func-eager", "func-compiled", "module-eager", "module-compiled")
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    """Workload and measurement settings."""
-
-    layers: int = 4
-    heads: int = 4
-    hidden: int = 256
-    seq: int = 256
-    vocab: int = 4096
-    batch: int = 8
-    """Sequences per step (one microbatch)."""
-    steps: int = 10
-    """Timed steps per run (after warmup)."""
-    warmup: int = 2
-    """Untimed steps after the first (compiling) step."""
-    repeats: int = 3
-    """Runs per variant; the variants are alternated and medians reported."""
-    threads: int = 1
-    """torch intra-op threads (OMP_NUM_THREADS)."""
-    recompute: str = "none"
-    """model.recompute_granularity of the func variants: none, selective or full."""
-    ce_chunk: Optional[int] = None
-    """model.cross_entropy_chunk_tokens of the func variants (0: all logits at once); default:
-    ModelConfig's default."""
-    device: str = "cpu"
-    """Where the model, batch and optimizer state live: cpu, or cuda (fp32 matmuls without TF32,
-    torch's default; the MFU peak is measured the same way)."""
-    donate: bool = True
-    """func variants: ``make_train_step(donate_state=...)`` (the new state written into the old)."""
-    memory_mode: bool = False
-    """Run the workers with glibc's MALLOC_MMAP_THRESHOLD_=65536, so freed tensors go back to the OS
-    and RSS follows live tensor memory (the step-memory column is then exact; times are slower)."""
-    warm_cache: bool = False
-    """Run each worker once, untimed, before the measured run with the same Inductor cache, so
-    the measured run loads its compiled graphs instead of compiling them (a restarted job)."""
-    variants: tuple[str, ...] = VARIANTS
-    paired: bool = False
-    """Speed only: build the variants in one process and run their steps in turn, ``--steps``
-    rounds per process (``--repeats`` processes, rounds pooled), and report each variant's
-    per-round time ratio to the last variant (``lmfunc.bench_paired``). No memory or compile
-    columns: the variants share the process."""
-    json_out: Optional[str] = None
-    """Also write the results to this JSON file."""
-    comm: Optional[str] = None
-    """Instead of timing: count the collectives of one microbatch on this layout ('dp_shard=2',
-    'tp=2', 'dp_shard=2,tp=2'; launch with torchrun) next to the expected numbers."""
-    sequence_parallel: bool = False
-    """With --comm and tp: sequence parallelism."""
-    worker: Optional[str] = None
-    """Internal: run one variant in this process and print its measurements as JSON."""
+from experiments.bench import paired as bench_paired
+from experiments.bench.comm import expected_counts, format_report, measure_counts
+from experiments.bench.config import VARIANTS, BenchConfig
+from experiments.bench.workload import make_step, model_config
 
 
 def run_worker(bc: BenchConfig) -> dict:
@@ -175,7 +122,6 @@ def run_comm_report(bc: BenchConfig) -> None:
     import torch
     import torch.distributed as dist
 
-    from lmfunc.parallel.comm import expected_counts, format_report, measure_counts
     from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
     from lmfunc.parallel.sharding import init_sharded, local_batch_to_dtensor
 
@@ -207,13 +153,19 @@ def run_comm_report(bc: BenchConfig) -> None:
     dist.destroy_process_group()
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _spawn(bc: BenchConfig, variant: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(bc.threads))
+    """Run one variant (or the paired variants) in a fresh process, with the repository root on
+    its path so ``experiments`` imports from any working directory."""
+    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS=str(bc.threads), PYTHONPATH=path)
     if bc.memory_mode:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     with tempfile.TemporaryDirectory() as cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
-        args = [sys.executable, "-m", "lmfunc.bench", "--worker", variant]
+        args = [sys.executable, "-m", "experiments.bench", "--worker", variant]
         for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads", "recompute", "device"):
             args += [f"--{field}", str(getattr(bc, field))]
         if bc.ce_chunk is not None:
@@ -318,5 +270,10 @@ def main(bc: BenchConfig) -> None:
                        "runs": runs}, f, indent=2)
 
 
+def cli() -> None:
+    """``python -m experiments.bench``: parse the command line and run."""
+    main(tyro.cli(BenchConfig, prog="python -m experiments.bench"))
+
+
 if __name__ == "__main__":
-    main(tyro.cli(BenchConfig))
+    cli()
