@@ -11,14 +11,14 @@ import torch.distributed as dist
 
 from lmfunc.checkpoint.sharded import load_tree
 from lmfunc.config.train import ParallelConfig
-from lmfunc.parallel.mesh import build_mesh
-from lmfunc.parallel.sharding import full_tensors, init_sharded
+from lmfunc.parallel.mesh import build_mesh, launched_world_size
+from lmfunc.parallel.sharding import full_tensors
+from lmfunc.train.params import init_params
 from lmfunc.train.batching import BatchPlan
 from lmfunc.checkpoint.locate import saved_config
 from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.state import TrainState
 from lmfunc.tree import flatten_with_paths
-from lmfunc import model
 from lmfunc.train.__main__ import exit_without_finalizing
 
 
@@ -26,8 +26,8 @@ def main(step_dir: str, layout: str, out: str) -> None:
     sizes = {} if layout == "single" else {k: int(v) for k, v in (item.split("=") for item in layout.split(","))}
     cfg = saved_config(step_dir)
     cfg = cfg.replace(parallel=ParallelConfig(**sizes))
-    mesh_layout = build_mesh(cfg.parallel.sizes())
-    params = init_sharded(cfg.model, mesh_layout.mesh, seed=1) if mesh_layout.mesh is not None else model.init(cfg.model, seed=1)
+    mesh_layout = build_mesh(cfg.parallel.sizes(launched_world_size()))
+    params = init_params(cfg.model, mesh_layout.mesh, seed=1)
     plan = BatchPlan.from_config(cfg.run, mesh_layout.data_parallel_size)
     tx = build_optimizer(cfg, build_lr_schedule(cfg, plan, cfg.run.train_iters), params, None)
     fresh = TrainState.create(params, tx, seed=0, loss_scale=cfg.precision.loss_scaling())

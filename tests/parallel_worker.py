@@ -18,7 +18,8 @@ from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import adamw
 from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
-from lmfunc.parallel.sharding import full_tensors, init_sharded, local_batch_to_dtensor
+from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor
+from lmfunc.train.params import init_params
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import flatten_with_paths
 from lmfunc.train.__main__ import exit_without_finalizing
@@ -47,7 +48,7 @@ def main() -> None:
         reference, metrics = reference_step(reference, batch)
         reference_losses.append(float(metrics["loss"]))
 
-    params = init_sharded(cfg, layout.mesh, seed=0)
+    params = init_params(cfg, layout.mesh, seed=0)
     init_error = relative_errors(full_tensors(params), model.init(cfg, seed=0))
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     step = make_train_step(cfg, tx, compile=compiled, backend=counter)

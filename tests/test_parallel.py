@@ -39,15 +39,14 @@ def test_sizes_resolve_and_bad_layouts_are_named():
         check_divisibility({"tp": 2}, tiny, seq_length=33)
 
 
-def test_mtp_on_a_2d_mesh_with_compile_is_refused(monkeypatch):
+def test_mtp_on_a_2d_mesh_with_compile_is_refused():
     from lmfunc.config.train import ParallelConfig, RunConfig, TrainConfig
 
-    monkeypatch.setenv("WORLD_SIZE", "4")
     cfg = TrainConfig(model=model_preset("tiny", mtp_num_layers=1), parallel=ParallelConfig(dp_shard=2, tp=2),
                       run=RunConfig(micro_batch_size=4))
     with pytest.raises(ConfigError, match=r"2-D mesh \(dp_shard x tp\).*--run.no-compile"):
-        cfg.validate()
-    cfg.replace(run=RunConfig(micro_batch_size=4, compile=False)).validate()
+        cfg.validate(world_size=4)
+    cfg.replace(run=RunConfig(micro_batch_size=4, compile=False)).validate(world_size=4)
 
 
 def test_mesh_dims_follow_megatrons_rank_order():

@@ -123,7 +123,8 @@ def run_comm_report(bc: BenchConfig) -> None:
     import torch.distributed as dist
 
     from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
-    from lmfunc.parallel.sharding import init_sharded, local_batch_to_dtensor
+    from lmfunc.parallel.sharding import local_batch_to_dtensor
+    from lmfunc.train.params import init_params
 
     try:
         sizes = {name: int(size) for name, size in (item.split("=") for item in bc.comm.split(","))}
@@ -133,7 +134,7 @@ def run_comm_report(bc: BenchConfig) -> None:
     if layout.mesh is None:
         raise SystemExit("--comm needs a layout with more than one process; launch with torchrun --nproc-per-node N")
     cfg = dc.replace(model_config(bc), sequence_parallel=bc.sequence_parallel)
-    params = init_sharded(cfg, layout.mesh)
+    params = init_params(cfg, layout.mesh)
     dp, rank = layout.data_parallel_size, data_parallel_rank(layout)
     g = torch.Generator().manual_seed(0)
     stream = torch.randint(0, cfg.vocab_size, (bc.batch, bc.seq + 1), generator=g)

@@ -9,11 +9,11 @@ field docstrings are the ``--help`` text of ``python -m lmfunc.train``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
 from lmfunc.config.model import ConfigError, ModelConfig
+from lmfunc.config.parallel import ParallelConfig, check_divisibility
 from lmfunc.optim.schedules import DecayStyle, WSDDecayStyle
 
 if TYPE_CHECKING:
@@ -139,37 +139,6 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Mesh sizes (launch with ``torchrun --nproc-per-node N``); one size may be -1, "the rest"."""
-
-    dp_replicate: int = 1
-    """Data-parallel replicas (DDP-style: parameters replicated, gradients all-reduced)."""
-    dp_shard: int = 1
-    """Data-parallel shards (FSDP / distributed optimizer: parameters, gradients and optimizer state sharded)."""
-    tp: int = 1
-    """Tensor-parallel size (attention heads, MLP width and vocabulary split; see model.sequence_parallel)."""
-    pp: int = 1
-    """Pipeline-parallel size (not supported yet: must be 1)."""
-    cp: int = 1
-    """Context-parallel size (not supported yet: must be 1)."""
-    ep: int = 1
-    """Expert-parallel size (no MoE yet: must be 1)."""
-
-    def sizes(self, world_size: Optional[int] = None) -> dict[str, int]:
-        """Mesh sizes by name with a -1 resolved against ``world_size`` (default: $WORLD_SIZE or 1)."""
-        from lmfunc.parallel.mesh import resolve_sizes
-
-        world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-        return resolve_sizes({"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                              "cp": self.cp, "tp": self.tp}, world)
-
-    @property
-    def data_parallel_size(self) -> int:
-        sizes = self.sizes()
-        return sizes["dp_replicate"] * sizes["dp_shard"]
-
-
-@dataclass(frozen=True)
 class CheckpointConfig:
     """Sharded training checkpoints (torch.distributed.checkpoint), resuming and weight import/export."""
 
@@ -267,9 +236,10 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def validate(self) -> "TrainConfig":
-        """Raise ``ConfigError`` naming the fields and the fix when settings contradict; return self."""
-        validate_train(self)
+    def validate(self, world_size: int = 1) -> "TrainConfig":
+        """Raise ``ConfigError`` naming the fields and the fix when settings contradict (the parallel
+        sizes checked against ``world_size`` processes); return self."""
+        validate_train(self, world_size)
         return self
 
     def replace(self, **sections: object) -> "TrainConfig":
@@ -377,14 +347,15 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
              "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory")
 
 
-def validate_train(cfg: TrainConfig) -> None:
-    """Cross-field checks of a ``TrainConfig`` (each section's own fields are checked too)."""
+def validate_train(cfg: TrainConfig, world_size: int = 1) -> None:
+    """Cross-field checks of a ``TrainConfig`` run on ``world_size`` processes (each section's own
+    fields are checked too)."""
     run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
     for name in ("pp", "cp", "ep"):
         value = getattr(cfg.parallel, name)
         _require(value == 1, f"parallel.{name} = {value}: {name} parallelism is not implemented in this version of "
                              "lmfunc; set it to 1 (dp_replicate, dp_shard and tp are)")
-    _validate_batch(run, cfg.parallel.data_parallel_size)
+    _validate_batch(run, cfg.parallel.data_parallel_size(world_size))
     _validate_length(cfg)
     _positive(data.seq_length, "data.seq_length")
     per_split = data.train_path is not None or data.valid_path is not None or data.test_path is not None
@@ -421,9 +392,7 @@ def validate_train(cfg: TrainConfig) -> None:
                  f"need optim.decoupled_lr > 0 and 0 <= decoupled_min_lr (or min_lr) <= decoupled_lr, got "
                  f"decoupled_lr={optim.decoupled_lr}, decoupled_min_lr={optim.decoupled_min_lr}, min_lr={optim.min_lr}")
     _require(optim.lr_mult > 0, f"optim.lr_mult must be positive, got {optim.lr_mult}")
-    from lmfunc.parallel.mesh import check_divisibility
-
-    sizes = cfg.parallel.sizes()
+    sizes = cfg.parallel.sizes(world_size)
     check_divisibility(sizes, cfg.model, data.seq_length)
     mesh_dims = [name for name, size in sizes.items() if size > 1]
     _require(not (run.compile and cfg.model.mtp_num_layers and len(mesh_dims) > 1),

@@ -9,7 +9,6 @@ all 1 has no mesh and runs on plain tensors.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Optional
 
@@ -17,52 +16,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lmfunc.config import ConfigError, ModelConfig
+from lmfunc.config.parallel import MESH_DIMS, check_divisibility, resolve_sizes
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""Mesh dim names, outermost first (Megatron's order read backwards: tp is the fastest)."""
+__all__ = [
+    "MESH_DIMS", "Layout", "build_mesh", "check_divisibility", "data_parallel_rank", "launched_world_size", "resolve_sizes",
+]
 
-
-def resolve_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
-    """Replace one ``-1`` size by ``world_size / product(other sizes)``; check the product.
-
-    ``sizes`` maps the names of ``MESH_DIMS`` to sizes. Errors name the sizes and the world size.
-    """
-    wild = [name for name, size in sizes.items() if size == -1]
-    if len(wild) > 1:
-        raise ConfigError(f"only one parallel size may be -1 ('the rest'), got -1 for {', '.join('parallel.' + n for n in wild)}")
-    for name, size in sizes.items():
-        if size != -1 and (not isinstance(size, int) or size < 1):
-            raise ConfigError(f"parallel.{name} must be a positive integer or -1, got {size!r}")
-    known = math.prod(size for size in sizes.values() if size != -1)
-    resolved = dict(sizes)
-    if wild:
-        if world_size % known:
-            raise ConfigError(f"world size {world_size} is not divisible by the product of the other parallel sizes "
-                              f"({known}), so parallel.{wild[0]} = -1 cannot fill it")
-        resolved[wild[0]] = world_size // known
-    product = math.prod(resolved.values())
-    if product != world_size:
-        layout = " x ".join(f"{name} {size}" for name, size in resolved.items() if size > 1) or "all sizes 1"
-        raise ConfigError(f"the parallel sizes ({layout} = {product}) do not multiply to the world size {world_size}; "
-                          f"launch {product} processes (torchrun --nproc-per-node {product}) or change the sizes")
-    return resolved
-
-
-def check_divisibility(sizes: dict[str, int], model: ModelConfig, seq_length: Optional[int] = None) -> None:
-    """Reject layouts the model cannot be split by, naming the numbers."""
-    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
-    checks = [
-        ("model.num_attention_heads", model.num_attention_heads, "parallel.tp", tp),
-        ("model.num_query_groups", model.query_groups, "parallel.tp", tp),
-        ("model.vocab_size", model.vocab_size, "parallel.tp", tp),
-        ("model.ffn_hidden_size", model.ffn_size, "parallel.tp", tp),
-    ]
-    if seq_length is not None:
-        checks.append(("data.seq_length", seq_length, "parallel.tp x parallel.cp", tp * cp))
-    for name, value, by_name, by in checks:
-        if by > 1 and value % by:
-            raise ConfigError(f"{name} ({value}) is not divisible by {by_name} ({by}); choose sizes that divide it")
 
 
 def backend_for(device: torch.device) -> str:
@@ -85,14 +44,20 @@ class Layout:
         return tuple(self.mesh.mesh_dim_names) if self.mesh is not None else ()
 
 
+def launched_world_size() -> int:
+    """The number of processes of this job: the process group's size, else torchrun's
+    ``WORLD_SIZE``, else 1."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def build_mesh(sizes: dict[str, int], device: str | torch.device = "cpu") -> Layout:
     """Create the process group (from torchrun's environment) and the named mesh of ``sizes``.
 
     With every size 1 and no launcher, no process group is created and ``Layout.mesh`` is None.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if dist.is_initialized():
-        world = dist.get_world_size()
+    world = launched_world_size()
     resolved = resolve_sizes({name: sizes.get(name, 1) for name in MESH_DIMS}, world)
     used = [(name, size) for name, size in resolved.items() if size > 1]
     if not used:

@@ -11,14 +11,12 @@ and autograd turns that all-gather into a reduce-scatter of the gradient.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from lmfunc.config import ModelConfig
-from lmfunc.model import gpt
 from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path
 
@@ -48,28 +46,29 @@ def placements_for(axes: Sequence[str], mesh: DeviceMesh, rules: Rules = DEFAULT
     return placements
 
 
-def shard_params(params: PyTree, cfg: ModelConfig, mesh: DeviceMesh, rules: Rules = DEFAULT_RULES) -> PyTree:
-    """Distribute full ``params`` (equal on every rank) onto ``mesh`` by the rules: DTensor leaves."""
-    axes = dict(flatten_with_paths(gpt.param_axes(cfg)))
+def shard_params(params: PyTree, axes: PyTree, mesh: DeviceMesh, rules: Rules = DEFAULT_RULES) -> PyTree:
+    """Distribute full ``params`` (equal on every rank) onto ``mesh`` by the rules: DTensor leaves.
+    ``axes`` is the matching tree of logical axis names (``model.param_axes(cfg)``)."""
+    axes_by_path = dict(flatten_with_paths(axes))
 
     def place(path: str, leaf: torch.Tensor) -> DTensor:
-        return distribute_tensor(leaf, mesh, placements_for(axes[path], mesh, rules))
+        return distribute_tensor(leaf, mesh, placements_for(axes_by_path[path], mesh, rules))
 
     return tree_map_with_path(place, params)
 
 
-def init_sharded(cfg: ModelConfig, mesh: DeviceMesh, seed: int = 0, rules: Rules = DEFAULT_RULES,
-                 dtype: torch.dtype = torch.float32) -> PyTree:
-    """``model.init`` directly into shards, one leaf at a time: each leaf is drawn from its own
-    (seed, name) generator, so the result equals ``shard_params(model.init(cfg, seed))`` on any mesh,
+def init_sharded(specs: PyTree, make_leaf: Callable[[str, Any], torch.Tensor], mesh: DeviceMesh,
+                 rules: Rules = DEFAULT_RULES) -> PyTree:
+    """Parameters made directly into shards, one leaf at a time. ``specs`` is a tree of leaf
+    specs with an ``axes`` field (``model.gpt.param_specs(cfg)``); ``make_leaf(path, spec)`` makes
+    the full leaf (the same on every rank: ``model.gpt.init_leaf`` draws each leaf from its own
+    (seed, name) generator). So the result equals ``shard_params`` of the whole tree on any mesh,
     and no rank holds more than one full leaf at once."""
-    specs = gpt.param_specs(cfg)
 
-    def make(path: str, spec: gpt.LeafSpec) -> DTensor:
-        full = gpt.init_leaf(spec, path, cfg, seed, dtype)
-        return distribute_tensor(full, mesh, placements_for(spec.axes, mesh, rules))
+    def make(path: str, spec: Any) -> DTensor:
+        return distribute_tensor(make_leaf(path, spec), mesh, placements_for(spec.axes, mesh, rules))
 
-    return tree_map_with_path(make, specs, is_leaf=lambda x: isinstance(x, gpt.LeafSpec))
+    return tree_map_with_path(make, specs, is_leaf=lambda x: hasattr(x, "axes") and not isinstance(x, dict))
 
 
 def local_batch_to_dtensor(batch: dict, mesh: DeviceMesh, batch_dim: int = 1) -> dict:

@@ -11,6 +11,7 @@ import tyro
 from lmfunc.config.model import MODEL_PRESETS
 from lmfunc.config.train import TrainConfig
 from lmfunc.config.yaml_io import load_config
+from lmfunc.parallel.mesh import launched_world_size
 
 DESCRIPTION = f"""Train a GPT model with lmfunc.
 
@@ -30,4 +31,4 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     known, rest = pre.parse_known_args(args)
     base = load_config(known.config, known.preset)
     cfg = tyro.cli(TrainConfig, default=base, args=rest, description=DESCRIPTION, prog="python -m lmfunc.train")
-    return cfg.validate()
+    return cfg.validate(launched_world_size())

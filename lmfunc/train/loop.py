@@ -30,13 +30,14 @@ from lmfunc.data.pipeline import build_datasets
 from lmfunc.data.tokenizer import load_tokenizer, padded_vocab_size
 from lmfunc.generate import generate
 from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops, memory_stats_mib
-from lmfunc.parallel.mesh import Layout, build_mesh, data_parallel_rank
-from lmfunc.parallel.sharding import full_tensors, init_sharded, local_batch_to_dtensor
+from lmfunc.parallel.mesh import Layout, build_mesh, data_parallel_rank, launched_world_size
+from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype
 from lmfunc.train.batching import BatchPlan
 from lmfunc.train.checkpointing import RunPaths, broadcast, prepare_run_paths, restore_state
 from lmfunc.train.log import RunLogger
 from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
+from lmfunc.train.params import init_params, place_params
 from lmfunc.train.signals import StopRequests
 from lmfunc.train.state import TrainState
 from lmfunc.train.step import make_eval_step, make_train_step
@@ -145,7 +146,8 @@ def _sample_text(params, cfg: TrainConfig, tokenizer) -> Optional[str]:
 
 def train(cfg: TrainConfig) -> RunResult:
     """Train ``cfg`` (validated first) and return the run's losses, directory and sample."""
-    cfg.validate()
+    world_size = launched_world_size()
+    cfg.validate(world_size)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
@@ -153,7 +155,7 @@ def train(cfg: TrainConfig) -> RunResult:
             f"set model.vocab_size to at least {tokenizer.vocab_size} ({padded_vocab_size(tokenizer.vocab_size)} is "
             "the Megatron-padded size)"
         )
-    layout = build_mesh(cfg.parallel.sizes())
+    layout = build_mesh(cfg.parallel.sizes(world_size))
     if layout.mesh is None:
         return _train(cfg, tokenizer, layout)
     try:
@@ -185,13 +187,9 @@ def _initial_params(cfg: TrainConfig, layout: Layout, resuming: bool):
     resumes from its own checkpoint), in the layout."""
     if cfg.checkpoint.load_hf is not None and not resuming:
         from lmfunc.checkpoint.hf import load_llama
-        from lmfunc.parallel.sharding import shard_params
 
-        params = load_llama(cfg.checkpoint.load_hf, cfg.model)
-        return shard_params(params, cfg.model, layout.mesh) if layout.mesh is not None else params
-    if layout.mesh is not None:
-        return init_sharded(cfg.model, layout.mesh, seed=cfg.run.seed)
-    return model.init(cfg.model, seed=cfg.run.seed)
+        return place_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, layout.mesh)
+    return init_params(cfg.model, layout.mesh, seed=cfg.run.seed)
 
 
 def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:

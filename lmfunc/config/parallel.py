@@ -1,0 +1,82 @@
+"""``ParallelConfig``: the mesh sizes of a run, and the pure checks of a layout (the world size is
+an argument; nothing here touches torch.distributed)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from lmfunc.config.model import ConfigError, ModelConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Mesh dim names, outermost first (Megatron's order read backwards: tp is the fastest)."""
+
+
+def resolve_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Replace one ``-1`` size by ``world_size / product(other sizes)``; check the product.
+
+    ``sizes`` maps the names of ``MESH_DIMS`` to sizes. Errors name the sizes and the world size.
+    """
+    wild = [name for name, size in sizes.items() if size == -1]
+    if len(wild) > 1:
+        raise ConfigError(f"only one parallel size may be -1 ('the rest'), got -1 for {', '.join('parallel.' + n for n in wild)}")
+    for name, size in sizes.items():
+        if size != -1 and (not isinstance(size, int) or size < 1):
+            raise ConfigError(f"parallel.{name} must be a positive integer or -1, got {size!r}")
+    known = math.prod(size for size in sizes.values() if size != -1)
+    resolved = dict(sizes)
+    if wild:
+        if world_size % known:
+            raise ConfigError(f"world size {world_size} is not divisible by the product of the other parallel sizes "
+                              f"({known}), so parallel.{wild[0]} = -1 cannot fill it")
+        resolved[wild[0]] = world_size // known
+    product = math.prod(resolved.values())
+    if product != world_size:
+        layout = " x ".join(f"{name} {size}" for name, size in resolved.items() if size > 1) or "all sizes 1"
+        raise ConfigError(f"the parallel sizes ({layout} = {product}) do not multiply to the world size {world_size}; "
+                          f"launch {product} processes (torchrun --nproc-per-node {product}) or change the sizes")
+    return resolved
+
+
+def check_divisibility(sizes: dict[str, int], model: ModelConfig, seq_length: Optional[int] = None) -> None:
+    """Reject layouts the model cannot be split by, naming the numbers."""
+    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+    checks = [
+        ("model.num_attention_heads", model.num_attention_heads, "parallel.tp", tp),
+        ("model.num_query_groups", model.query_groups, "parallel.tp", tp),
+        ("model.vocab_size", model.vocab_size, "parallel.tp", tp),
+        ("model.ffn_hidden_size", model.ffn_size, "parallel.tp", tp),
+    ]
+    if seq_length is not None:
+        checks.append(("data.seq_length", seq_length, "parallel.tp x parallel.cp", tp * cp))
+    for name, value, by_name, by in checks:
+        if by > 1 and value % by:
+            raise ConfigError(f"{name} ({value}) is not divisible by {by_name} ({by}); choose sizes that divide it")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh sizes (launch with ``torchrun --nproc-per-node N``); one size may be -1, "the rest"."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP-style: parameters replicated, gradients all-reduced)."""
+    dp_shard: int = 1
+    """Data-parallel shards (FSDP / distributed optimizer: parameters, gradients and optimizer state sharded)."""
+    tp: int = 1
+    """Tensor-parallel size (attention heads, MLP width and vocabulary split; see model.sequence_parallel)."""
+    pp: int = 1
+    """Pipeline-parallel size (not supported yet: must be 1)."""
+    cp: int = 1
+    """Context-parallel size (not supported yet: must be 1)."""
+    ep: int = 1
+    """Expert-parallel size (no MoE yet: must be 1)."""
+
+    def sizes(self, world_size: int) -> dict[str, int]:
+        """Mesh sizes by name (``MESH_DIMS`` order) with a -1 resolved against ``world_size``."""
+        return resolve_sizes({"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                              "cp": self.cp, "tp": self.tp}, world_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        sizes = self.sizes(world_size)
+        return sizes["dp_replicate"] * sizes["dp_shard"]
