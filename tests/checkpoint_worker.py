@@ -14,9 +14,9 @@ from lmfunc.config.train import ParallelConfig
 from lmfunc.parallel.mesh import build_mesh, launched_world_size
 from lmfunc.parallel.sharding import full_tensors
 from lmfunc.train.params import init_params
-from lmfunc.train.batching import BatchPlan
+from lmfunc.train.batch_plan import BatchPlan
 from lmfunc.checkpoint.locate import saved_config
-from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
+from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.state import TrainState
 from lmfunc.tree import flatten_with_paths
 from lmfunc.train.__main__ import exit_without_finalizing

@@ -1,9 +1,32 @@
-"""Shared test data and probes."""
+"""Shared test data, probes and the multi-rank launcher."""
 
 import contextlib
+import os
+import subprocess
+import sys
 from typing import Callable
 
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+    """``torchrun --standalone --nproc-per-node nproc ARGS`` (gloo on CPU)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def torchrun_env() -> dict:
+    """The launcher's environment: one thread per rank, the repository on the path, unbuffered output."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+
+
+def run_torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``torchrun_command(nproc, args)`` from the repository root; fail with its output unless it exits 0."""
+    proc = subprocess.run(torchrun_command(nproc, args), cwd=ROOT, env=torchrun_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
 
 
 def lm_batch(vocab: int, microbatches: int, batch: int, seq: int, seed: int = 0) -> dict:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lmfunc.config.yaml_io import train_config_from_dict
-from lmfunc.train.batching import BatchPlan
-from lmfunc.train.optimizer import build_lr_schedule
+from lmfunc.train.batch_plan import BatchPlan
+from lmfunc.train.make_optimizer import build_lr_schedule
 
 
 def test_constant_batch():

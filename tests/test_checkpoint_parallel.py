@@ -3,36 +3,20 @@
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from lmfunc.checkpoint.manager import complete_steps
 from lmfunc.train.log import read_log
+from tests.helpers import ROOT, run_torchrun, torchrun_command, torchrun_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 COMMON = ["-m", "lmfunc.train", "--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "32",
           "--run.train-iters", "20", "--optim.lr-warmup-iters", "2", "--run.eval-iters", "0", "--run.no-compile",
           "--log.no-progress-bar", "--log.log-interval", "1", "--run.micro-batch-size", "2",
           "--run.global-batch-size", "8", "--run.sample-tokens", "0", "--log.peak-flops", "1e11",
           "--checkpoint.save-interval", "5", "--checkpoint.keep", "None"]
-
-
-def _torchrun_command(nproc: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-
-
-def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_torchrun_command(nproc, args), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -58,16 +42,16 @@ def _worker_of_rank(parent: int, rank: int) -> int:
 def runs(tmp_path_factory):
     """An uninterrupted 20-step run on dp_shard=2 that saves every 5 steps."""
     root = tmp_path_factory.mktemp("ckpt_parallel")
-    _torchrun(2, COMMON + ["--run.out-dir", str(root), "--data.cache-dir", str(root / "cache"),
+    run_torchrun(2, COMMON + ["--run.out-dir", str(root), "--data.cache-dir", str(root / "cache"),
                            "--run.name", "fsdp", "--parallel.dp-shard", "2"])
     assert complete_steps(root / "fsdp" / "checkpoints") == [5, 10, 15, 20]
     return root
 
 
-def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(runs):
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(runs, torchrun):
     args = COMMON + ["--run.out-dir", str(runs), "--data.cache-dir", str(runs / "cache"), "--run.name", "term",
                      "--parallel.dp-shard", "2", "--checkpoint.save-interval", "None"]
-    proc = subprocess.Popen(_torchrun_command(2, args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(torchrun_command(2, args), cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
@@ -81,15 +65,15 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
     assert end["exit_reason"] == "signal" and 3 <= end["step"] < 20
     assert complete_steps(runs / "term" / "checkpoints") == [end["step"]]
 
-    _torchrun(2, args)
+    torchrun(2, args)
     assert _losses(runs / "term") == _losses(runs / "fsdp")  # bit-identical on the same layout
 
 
 @pytest.mark.parametrize("layout, nproc", [("single", 1), ("tp=2", 2), ("dp_shard=2,tp=2", 4)])
-def test_a_dp_shard_checkpoint_loads_equal_on_other_layouts(runs, layout, nproc, tmp_path):
+def test_a_dp_shard_checkpoint_loads_equal_on_other_layouts(runs, layout, nproc, tmp_path, torchrun):
     step_dir = str(runs / "fsdp" / "checkpoints" / "iter_0000010")
-    _torchrun(1, ["tests/checkpoint_worker.py", step_dir, "single", str(tmp_path / "reference.pt")])
-    _torchrun(nproc, ["tests/checkpoint_worker.py", step_dir, layout, str(tmp_path / "loaded.pt")])
+    torchrun(1, ["tests/checkpoint_worker.py", step_dir, "single", str(tmp_path / "reference.pt")])
+    torchrun(nproc, ["tests/checkpoint_worker.py", step_dir, layout, str(tmp_path / "loaded.pt")])
     want, got = torch.load(tmp_path / "reference.pt"), torch.load(tmp_path / "loaded.pt")
     assert list(got) == list(want) and any(k.startswith("opt_state.0.mu.") for k in got)
     for name in want:
@@ -98,9 +82,9 @@ def test_a_dp_shard_checkpoint_loads_equal_on_other_layouts(runs, layout, nproc,
 
 
 @pytest.mark.parametrize("name, nproc, flags", [("to_single", 1, []), ("to_tp", 2, ["--parallel.tp", "2"])])
-def test_training_continues_on_another_layout(runs, name, nproc, flags):
+def test_training_continues_on_another_layout(runs, name, nproc, flags, torchrun):
     reference = _losses(runs / "fsdp")
-    _torchrun(nproc, COMMON + ["--run.out-dir", str(runs), "--data.cache-dir", str(runs / "cache"), "--run.name", name,
+    torchrun(nproc, COMMON + ["--run.out-dir", str(runs), "--data.cache-dir", str(runs / "cache"), "--run.name", name,
                                "--checkpoint.load", str(runs / "fsdp" / "checkpoints"),
                                "--checkpoint.load-step", "10", *flags])
     continued = _losses(runs / name)

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -14,15 +12,6 @@ from lmfunc.parallel.mesh import MESH_DIMS, check_divisibility, resolve_sizes
 from lmfunc.parallel.sharding import DEFAULT_RULES, placements_for
 from lmfunc.train.log import read_log
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
 
 
 def test_sizes_resolve_and_bad_layouts_are_named():
@@ -77,7 +66,7 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("layout, nproc, flags", LAYOUTS, ids=[f"{l}{''.join(f)}" for l, _, f in LAYOUTS])
-def test_parallel_invariance(layout, nproc, flags, tmp_path):
+def test_parallel_invariance(layout, nproc, flags, tmp_path, torchrun):
     """5 steps on the mesh equal 5 steps on one process: every loss, the final params and Adam moments
     (fp32, relative 1e-5); the mesh's initial params equal the single-process init exactly."""
     out = tmp_path / "result.json"
@@ -91,7 +80,7 @@ def test_parallel_invariance(layout, nproc, flags, tmp_path):
     assert sharded == ("dp_shard" in layout or "tp" in layout), result["placements"]  # DDP replicates
 
 
-def test_compiled_step_over_dtensor_state_is_one_graph(tmp_path):
+def test_compiled_step_over_dtensor_state_is_one_graph(tmp_path, torchrun):
     out = tmp_path / "result.json"
     torchrun(4, ["tests/parallel_worker.py", "dp_shard=2,tp=2", str(out), "--sp", "--compile"])
     result = json.loads(out.read_text())
@@ -101,7 +90,7 @@ def test_compiled_step_over_dtensor_state_is_one_graph(tmp_path):
     assert result["final_error"] < 1e-5
 
 
-def test_training_command_gives_the_same_losses_on_any_layout(tmp_path):
+def test_training_command_gives_the_same_losses_on_any_layout(tmp_path, torchrun):
     """``torchrun -m lmfunc.train``: each rank loads only its slice of every global batch, and the
     logged train and validation losses equal the single-process run's."""
     common = ["-m", "lmfunc.train", "--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "32",
@@ -123,7 +112,7 @@ def test_training_command_gives_the_same_losses_on_any_layout(tmp_path):
 
 
 @pytest.mark.parametrize("layout, extra", [("dp_shard=2", []), ("tp=2", []), ("tp=2", ["--sequence-parallel"])])
-def test_comm_report_counts_equal_the_expected_ones(layout, extra, tmp_path):
+def test_comm_report_counts_equal_the_expected_ones(layout, extra, tmp_path, torchrun):
     out = tmp_path / "comm.json"
     torchrun(2, ["-m", "experiments.bench", "--comm", layout, *extra, "--layers", "3", "--hidden", "64", "--heads", "4",
                  "--vocab", "256", "--seq", "32", "--batch", "4", "--json-out", str(out)])

@@ -7,8 +7,8 @@ from lmfunc.config.model import ConfigError
 from lmfunc.config.train import OptimConfig, RunConfig, TrainConfig
 from lmfunc.optim import scale_by_learning_rate
 from lmfunc.optim.partition import masked, multi_transform, param_labels
-from lmfunc.train.batching import BatchPlan
-from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
+from lmfunc.train.batch_plan import BatchPlan
+from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.tree import flatten_with_paths, tree_map
 
 CFG = TrainConfig(

@@ -64,11 +64,11 @@ def overflowing_loss(params, micro, cfg, seed=None, grad_scale=None, per_token=T
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fp16_step_skips_overflows_and_walks_the_scale(compiled):
+def test_fp16_step_skips_overflows_and_walks_the_scale(compiled, tiny_state):
     tx = adamw(1e-2, weight_decay=0.1)
     step = make_train_step(TINY, tx, compute_dtype=torch.float16, loss_scale=WALK, loss_fn=overflowing_loss,
                            lr_schedule=lambda count: 1e-2 * (count + 1).float(), compile=compiled)
-    state = TrainState.create(model.init(TINY, seed=0), tx, loss_scale=WALK)
+    state = tiny_state(tx, loss_scale=WALK)
     used_scale = WALK.initial_scale
     for i, overflow in enumerate(OVERFLOWS):
         batch = lm_batch(TINY.vocab_size, microbatches=2, batch=2, seq=8, seed=i)
@@ -118,10 +118,10 @@ def test_bf16_and_fp16_curves_stay_close_to_fp32():
     assert bf16 != fp32, "bf16 must really compute in bf16"
 
 
-def test_grads_and_optimizer_state_stay_fp32_under_bf16():
+def test_grads_and_optimizer_state_stay_fp32_under_bf16(tiny_state):
     tx = adamw(1e-3)
     step = make_train_step(TINY, tx, compute_dtype=torch.bfloat16, compile=False)
-    state, _ = step(TrainState.create(model.init(TINY, seed=0), tx), lm_batch(TINY.vocab_size, 2, 2, 8))
+    state, _ = step(tiny_state(tx), lm_batch(TINY.vocab_size, 2, 2, 8))
     leaves, _ = tree_flatten((state.params, state.opt_state))
     assert {leaf.dtype for leaf in leaves if leaf.is_floating_point()} == {torch.float32}
 
@@ -148,9 +148,9 @@ def test_precision_config_chooses_the_scaler_and_rejects_bad_values():
         LossScaleConfig(growth_factor=1.0)
 
 
-def test_step_without_scaler_state_is_a_clear_error():
+def test_step_without_scaler_state_is_a_clear_error(tiny_state):
     tx = adamw(1e-3)
     step = make_train_step(TINY, tx, loss_scale=WALK, compile=False)
     with pytest.raises(ValueError, match="loss_scale"):
-        step(TrainState.create(model.init(TINY, seed=0), tx), lm_batch(TINY.vocab_size, 1, 2, 8))
+        step(tiny_state(tx), lm_batch(TINY.vocab_size, 1, 2, 8))
     assert dataclasses.is_dataclass(init_loss_scale(WALK))

@@ -7,7 +7,7 @@ import torch._inductor.config
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import GradientTransformation
-from lmfunc.compiler import remat
+from lmfunc.compiler import recompute_pass as remat
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import tree_max_abs_diff, tree_zeros_like
 from tests.helpers import lm_batch
@@ -67,4 +67,4 @@ def test_recompute_rejects_global_rng_inside_a_region():
     drop.meta["recompute"] = torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
     graph.output(drop)
     with pytest.raises(RuntimeError, match="global RNG"):
-        remat._check_randomness(list(graph.nodes))
+        remat.check_randomness(list(graph.nodes))

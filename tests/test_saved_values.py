@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import adamw
-from lmfunc.compiler import compiling, remat
+from lmfunc.compiler import compiling, recompute_pass as remat
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.train import step as step_module
 from lmfunc.compiler.saved_values import choose_recompute, is_backward

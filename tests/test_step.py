@@ -26,11 +26,11 @@ def record_grads() -> GradientTransformation:
     )
 
 
-def test_microbatches_give_the_same_loss_and_grads_as_one_batch():
+def test_microbatches_give_the_same_loss_and_grads_as_one_batch(tiny_state):
     batch = lm_batch(TINY.vocab_size, microbatches=4, batch=2, seq=16)
     whole = tree_map(lambda x: x.reshape(1, 8, 16), batch)
     step = make_train_step(TINY, record_grads(), clip_grad=0.0, compile=False)
-    state = TrainState.create(model.init(TINY, seed=0), record_grads())
+    state = tiny_state(record_grads())
     split_state, split_metrics = step(state, batch)
     whole_state, whole_metrics = step(state, whole)
     torch.testing.assert_close(split_metrics["loss"], whole_metrics["loss"], rtol=1e-6, atol=1e-6)
@@ -52,13 +52,13 @@ def _side_by_side(step_a, step_b, state_a, state_b, keys, tol):
     return state_a, state_b
 
 
-def test_compiled_step_equals_eager_and_is_one_graph():
+def test_compiled_step_equals_eager_and_is_one_graph(tiny_state):
     schedule = warmup_decay_schedule(1e-2, 1e-3, warmup_steps=1, decay_steps=10)
     tx = adamw(schedule, weight_decay=0.1)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     eager = make_train_step(TINY, tx, lr_schedule=schedule, compile=False)
     compiled = make_train_step(TINY, tx, lr_schedule=schedule, backend=counter)
-    state = TrainState.create(model.init(TINY, seed=0), tx)
+    state = tiny_state(tx)
     torch._dynamo.utils.counters.clear()
     eager_state, compiled_state = _side_by_side(eager, compiled, state, state, ("loss", "grad_norm", "lr"), 1e-5)
     assert tree_max_abs_diff(compiled_state.params, eager_state.params) < 1e-5
@@ -67,17 +67,17 @@ def test_compiled_step_equals_eager_and_is_one_graph():
     assert int(compiled_state.step) == 3
 
 
-def test_donating_step_updates_the_state_in_place_and_equals_the_plain_step():
+def test_donating_step_updates_the_state_in_place_and_equals_the_plain_step(tiny_state):
     """donate_state=True writes the new params and Adam moments into the input state's tensors
     (one graph, no breaks) and trains exactly as the step that returns new tensors."""
     tx = adamw(1e-2, weight_decay=0.1)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     plain = make_train_step(TINY, tx)
     donating = make_train_step(TINY, tx, backend=counter, donate_state=True)
-    first = TrainState.create(model.init(TINY, seed=0), tx)
+    first = tiny_state(tx)
     torch._dynamo.utils.counters.clear()
     plain_state, donated_state = _side_by_side(
-        plain, donating, TrainState.create(model.init(TINY, seed=0), tx), first, ("loss", "grad_norm"), 1e-6)
+        plain, donating, tiny_state(tx), first, ("loss", "grad_norm"), 1e-6)
     assert tree_max_abs_diff(donated_state.params, plain_state.params) < 1e-6
     assert tree_max_abs_diff(donated_state.opt_state, plain_state.opt_state) < 1e-6
     donated = tree_leaves((donated_state.params, donated_state.opt_state))
@@ -87,8 +87,8 @@ def test_donating_step_updates_the_state_in_place_and_equals_the_plain_step():
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert int(donated_state.step) == 3
 
-    eager_state = TrainState.create(model.init(TINY, seed=0), tx)
-    eager_donated = TrainState.create(model.init(TINY, seed=0), tx)
+    eager_state = tiny_state(tx)
+    eager_donated = tiny_state(tx)
     batch = lm_batch(TINY.vocab_size, microbatches=2, batch=2, seq=16)
     eager_state, _ = make_train_step(TINY, tx, compile=False)(eager_state, batch)
     eager_donated, _ = make_train_step(TINY, tx, compile=False, donate_state=True)(eager_donated, batch)
@@ -168,7 +168,7 @@ def test_write_into_copies_donated_leaves_of_every_pytree_node_kind():
     """Dicts, lists, tuples, NamedTuples, None, 0-dim counters and a user-registered node type:
     every tensor of rank >= 1 gets the new values in place, everything else is the new leaf."""
     from lmfunc.optim.transforms import ScaleByAdamState
-    from lmfunc.train.step import _write_into
+    from lmfunc.train.step import write_into
 
     def tree(scale: float):
         return {
@@ -179,7 +179,7 @@ def test_write_into_copies_donated_leaves_of_every_pytree_node_kind():
         }
 
     old, new = tree(1.0), tree(5.0)
-    merged = _write_into(old, new)
+    merged = write_into(old, new)
     assert merged["adam"].mu["w"] is old["adam"].mu["w"] and float(old["adam"].mu["w"].max()) == 5.0
     assert merged["adam"].nu["w"] is old["adam"].nu["w"] and float(old["adam"].nu["w"].min()) == 10.0
     assert merged["adam"].count is new["adam"].count and float(old["adam"].count) == 1.0
@@ -190,24 +190,24 @@ def test_write_into_copies_donated_leaves_of_every_pytree_node_kind():
 
 
 def test_write_into_refuses_an_update_that_changes_the_state_structure():
-    from lmfunc.train.step import _write_into
+    from lmfunc.train.step import write_into
 
     with pytest.raises(ValueError, match="another structure"):
-        _write_into(_Box(torch.zeros(2)), (torch.zeros(2), torch.zeros(2)))
+        write_into(_Box(torch.zeros(2)), (torch.zeros(2), torch.zeros(2)))
     with pytest.raises(ValueError, match=r"another structure than the one it was given \(a NoneType where the state holds a tensor\)"):
-        _write_into({"b": torch.zeros(2)}, {"b": None})
+        write_into({"b": torch.zeros(2)}, {"b": None})
     old = {"a": torch.zeros(2), "b": torch.zeros(2)}
     for new in ({"a": torch.ones(2)}, {"a": torch.ones(2), "c": torch.ones(2)}, {"a": [torch.ones(2)], "b": torch.ones(2)}):
         with pytest.raises(ValueError, match="another structure"):
-            _write_into(old, new)
+            write_into(old, new)
     assert float(old["a"].sum()) == 0.0
-    merged = _write_into(old, {"b": torch.full((2,), 2.0), "a": torch.ones(2)})  # keys matched by name
+    merged = write_into(old, {"b": torch.full((2,), 2.0), "a": torch.ones(2)})  # keys matched by name
     assert list(merged) == ["a", "b"] and merged["a"] is old["a"]
     assert float(old["a"].sum()) == 2.0 and float(old["b"].sum()) == 4.0
 
 
-def test_donating_step_traces_little_more_bytecode_than_the_plain_step():
-    """``_write_into`` is one ``tree_map`` over the old and new state, which Dynamo maps natively;
+def test_donating_step_traces_little_more_bytecode_than_the_plain_step(tiny_state):
+    """``write_into`` is one ``tree_map`` over the old and new state, which Dynamo maps natively;
     ``tree_flatten`` + ``tree_unflatten`` of both trees made the donating step's trace about twice
     as long as the plain step's (54k more bytecode instructions with the bench's model, seconds of
     compile time and MiB of compile heap). Now the per-leaf copy adds about a fifth."""
@@ -216,7 +216,7 @@ def test_donating_step_traces_little_more_bytecode_than_the_plain_step():
     counts = {}
     for donate in (False, True):
         step = make_train_step(TINY, tx, backend="eager", donate_state=donate)
-        state = TrainState.create(model.init(TINY, seed=0), tx)
+        state = tiny_state(tx)
         counts[donate] = traced_instructions(lambda: step(state, batch))
     assert counts[False] > 1000
     assert counts[True] <= 1.3 * counts[False], counts
@@ -250,13 +250,13 @@ def test_more_steps_than_dynamos_recompile_limit_each_compile_their_own_graph():
     assert moved == sorted(moved) and moved[-1] > 5 * moved[0]
 
 
-def test_training_lowers_the_loss_on_a_fixed_stream():
+def test_training_lowers_the_loss_on_a_fixed_stream(tiny_state):
     text = open(os.path.join(sysconfig.get_paths()["stdlib"], "this.py"), "rb").read()  # ships with Python
     stream = torch.tensor(list(text), dtype=torch.long) % TINY.vocab_size
     seq, batch_size = 32, 8
     tx = adamw(warmup_decay_schedule(3e-3, 3e-4, warmup_steps=10, decay_steps=200), weight_decay=0.01)
     step = make_train_step(TINY, tx, compile=False)
-    state = TrainState.create(model.init(TINY, seed=0), tx)
+    state = tiny_state(tx)
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(200):
@@ -292,10 +292,10 @@ def test_eval_step_sums_over_microbatches():
     torch.testing.assert_close(out["loss_sum"], whole["loss_sum"], rtol=1e-5, atol=1e-5)
 
 
-def test_bad_batches_are_clear_errors():
+def test_bad_batches_are_clear_errors(tiny_state):
     tx = adamw(1e-3)
     step = make_train_step(TINY, tx, compile=False)
-    state = TrainState.create(model.init(TINY, seed=0), tx)
+    state = tiny_state(tx)
     good = lm_batch(TINY.vocab_size, 1, 2, 8)
     with pytest.raises(ValueError, match=r"\[microbatches, B, S\]"):
         step(state, {k: v[0] for k, v in good.items()})

@@ -48,8 +48,8 @@ def main(bc: CheckpointBenchConfig) -> None:
     from lmfunc.checkpoint.manager import CheckpointManager
     from lmfunc.checkpoint.sharded import load_tree, to_state_dict
     from lmfunc.config.train import TrainConfig
-    from lmfunc.train.batching import BatchPlan
-    from lmfunc.train.optimizer import build_lr_schedule, build_optimizer
+    from lmfunc.train.batch_plan import BatchPlan
+    from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
     from lmfunc.train.state import TrainState
     from lmfunc.train.step import make_train_step
     from lmfunc.tree import tree_bytes

@@ -25,7 +25,7 @@ import torch
 import torch._inductor
 
 from lmfunc.compiler import inplace_reuse
-from lmfunc.compiler.remat import RematPass
+from lmfunc.compiler.recompute_pass import RematPass
 
 
 def release_compile_garbage() -> None:
@@ -67,7 +67,7 @@ def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
 @contextlib.contextmanager
 def _inductor_settings():
     """While AOTAutograd and Inductor compile the step: AOTAutograd's own recompute of tagged ops
-    is off (``lmfunc.compiler.remat`` does it, per microbatch), and Inductor reuses a matmul's
+    is off (``lmfunc.compiler.recompute_pass`` does it, per microbatch), and Inductor reuses a matmul's
     buffer in place although the graph writes into its inputs (``inplace_reuse``)."""
     with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False):
         with inplace_reuse.inplace_reuse_despite_input_writes():
@@ -105,7 +105,7 @@ def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choo
     Each call compiles a copy of ``fn`` with its own code object (``with_own_code``): steps built
     from the same function never share, or exhaust, one Dynamo cache.
 
-    With the Inductor backend the recompute pass (``lmfunc.compiler.remat``) runs on the step's graph,
+    With the Inductor backend the recompute pass (``lmfunc.compiler.recompute_pass``) runs on the step's graph,
     Inductor keeps its in-place buffer reuse although the graph writes into its inputs
     (``lmfunc.compiler.inplace_reuse``), and Inductor compiles on the first call, after Dynamo's
     capture (see the module docstring). Other backends get the graph without any of these

@@ -8,7 +8,7 @@ forward buffer a backward op reads. ``choose_recompute`` solves the same problem
 graph: a minimum s-t cut in which storing a forward value costs its bytes, values the step holds
 anyway (its inputs: params, batch, state) cost nothing, and expensive or random ops (matmuls,
 attention, reductions, collectives, RNG draws) may not be recomputed. The forward ops on the
-backward side of the cut are the ones to recompute; ``lmfunc.compiler.remat`` copies them into each
+backward side of the cut are the ones to recompute; ``lmfunc.compiler.recompute_pass`` copies them into each
 backward pass.
 """
 

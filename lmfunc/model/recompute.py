@@ -2,7 +2,7 @@
 
 ``checkpointed(fn)`` wraps a pure function in non-reentrant ``torch.utils.checkpoint``: eagerly,
 the backward pass re-runs ``fn`` instead of keeping its intermediates; under ``torch.compile``
-the ops inside ``fn`` are tagged "recompute" and ``lmfunc.compiler.remat`` duplicates them into each
+the ops inside ``fn`` are tagged "recompute" and ``lmfunc.compiler.recompute_pass`` duplicates them into each
 backward region of the one compiled train step. With gradients off (evaluation, generation) the
 function runs plainly. Recomputation is exact: lmfunc's dropout is a pure function of its seed.
 """

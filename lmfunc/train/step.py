@@ -214,8 +214,8 @@ def make_train_step(
             metrics["lr"] = lr_schedule(optimizer_steps)
         metrics = full_metrics(metrics)
         if donate_state:
-            params = _write_into(state.params, params)
-            opt_state = _write_into(state.opt_state, opt_state)
+            params = write_into(state.params, params)
+            opt_state = write_into(state.opt_state, opt_state)
         new_state = state.replace(
             params=params,
             opt_state=opt_state,
@@ -237,7 +237,7 @@ def _is_donated(leaf) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.dim() > 0
 
 
-def _write_into(old: PyTree, new: PyTree) -> PyTree:
+def write_into(old: PyTree, new: PyTree) -> PyTree:
     """Copy every donated leaf of ``new`` into the matching leaf of ``old`` (in place). Returns a
     tree of ``old``'s structure holding ``old``'s donated leaves and ``new``'s other leaves.
 

@@ -36,7 +36,7 @@ def _dropout_p(node: fx.Node) -> float:
     return 1.0
 
 
-def _check_randomness(nodes: list[fx.Node]) -> None:
+def check_randomness(nodes: list[fx.Node]) -> None:
     for node in nodes:
         tags = getattr(node.target, "tags", ())
         if must_recompute(node) and torch.Tag.nondeterministic_seeded in tags and _dropout_p(node) != 0.0:
@@ -93,7 +93,7 @@ def rematerialize(graph: fx.Graph, choose: bool = True) -> None:
     nodes = list(graph.nodes)
     if not any(must_recompute(node) for node in nodes):
         return
-    _check_randomness(nodes)
+    check_randomness(nodes)
     order = {node: i for i, node in enumerate(nodes)}
     for group in _backward_groups(nodes):
         copies: dict[fx.Node, fx.Node] = {}

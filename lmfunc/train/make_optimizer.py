@@ -21,7 +21,7 @@ from lmfunc.config.train import TrainConfig
 from lmfunc.optim import GradientTransformation, add_decayed_weights, chain, scale_by_adam, warmup_decay_schedule
 from lmfunc.optim.partition import multi_transform, name_matches, param_labels
 from lmfunc.optim.transforms import Schedule, scale_by_learning_rate
-from lmfunc.train.batching import BatchPlan
+from lmfunc.train.batch_plan import BatchPlan
 from lmfunc.tree import PyTree, tree_leaves
 
 EMBEDDING_AND_OUTPUT = ("embed.tokens", "output")
