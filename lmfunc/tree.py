@@ -39,10 +39,9 @@ def tree_map(
 
 # Inside a compiled step Dynamo traces every bytecode instruction of a tree walk, except
 # ``pytree.tree_map``: that one it maps over its own view of the containers (its "tree_map fast
-# path"). Walking with ``pytree.tree_flatten``/``tree_unflatten`` cost about 110k of the 140k
-# instructions Dynamo traced for the bench's step (seconds of compile time, MiB of compile heap),
-# so while compiling, ``tree_leaves`` and ``tree_unflatten_as`` are built on ``pytree.tree_map``:
-# a few dozen instructions per call. The results are pytree's in both modes.
+# path"). Walking with ``pytree.tree_flatten``/``tree_unflatten`` would make most of a step's trace
+# pytree code, so while compiling, ``tree_leaves`` and ``tree_unflatten_as`` are built on
+# ``pytree.tree_map``: a few dozen instructions per call. The results are pytree's in both modes.
 
 
 def tree_leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:

@@ -4,10 +4,10 @@ With the Inductor backend the step's graph is compiled in two stages. Dynamo cap
 as usual, but the backend it calls (``_inductor_on_first_call``) only keeps the graph; Inductor
 compiles it when the captured code first runs it (``torch._inductor.compile``). By then Dynamo's
 tracing state is garbage: it is collected first, so Dynamo's and Inductor's working objects are
-never alive at once. Both are tens of MiB of small Python objects for the one large step graph,
-and the arenas Python's allocator takes for them at the peak stay resident afterwards (a few
-long-lived objects keep each arena). On the benchmark workload the two stages save 5 of those
-1-MiB arenas and 4–8 MiB of the process's peak. After Inductor,
+never alive at once. Both are many small Python objects for the one large step graph, and the
+arenas Python's allocator takes for them at the peak stay resident afterwards (a few long-lived
+objects keep each arena), so a lower peak of live compile objects is a lower resting process.
+After Inductor,
 ``release_compile_garbage`` frees the cyclic garbage and glibc's free heap pages before the
 compiled code first runs (its first run already reaches the step's peak).
 """

@@ -68,9 +68,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     first moment; the same average as ``b * m + (1 - b) * x``). The last op takes the old moment as
     its first argument, so in a step that writes its new state into the old one
     (``make_train_step(donate_state=True)``) Inductor turns it into one in-place update of the
-    moment. With ``b * m + ...`` the write came last in the graph: on CPU every later reader
-    inlined the whole moment expression, the moments were computed twice, and compiling the step
-    needed about 20 MiB more memory.
+    moment. In the form ``b * m + ...`` the write comes last in the graph, and every later reader
+    inlines the whole moment expression instead (``tests/test_step.py`` counts Inductor's nodes).
     """
 
     def init(params: PyTree) -> ScaleByAdamState:
