@@ -79,3 +79,25 @@ print("unchanged")
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "unchanged" in out.stdout, out.stderr[-3000:]
+
+
+def test_tracing_settings_hold_only_on_calls_that_trace():
+    """A compiled step runs its cached graph without Dynamo's trace_autograd_ops; the first call
+    and a recompile (new shapes) trace with it, and every call returns the right gradient."""
+    from lmfunc.grad import value_and_grad
+
+    seen = []
+
+    def recording_backend(graph, example_inputs):
+        def run(*args):
+            seen.append(torch._dynamo.config.trace_autograd_ops)
+            return graph(*args)
+        return run
+
+    step = compiling.compile_step(value_and_grad(lambda w: (w ** 2).sum()), backend=recording_backend)
+    for n in (4, 4, 4, 5, 5):
+        w = torch.arange(float(n))
+        value, grad = step(w)
+        assert float(value) == float((w ** 2).sum()) and torch.equal(grad, 2 * w)
+    assert seen == [True, False, False, True, False]
+    assert torch._dynamo.config.trace_autograd_ops is False

@@ -1,8 +1,8 @@
 """Compiling the train step, and every torch-internal pass or patch that needs, scoped to the
-compile: ``compile_step`` is the entry (``compiling``); the recompute pass (``remat``) and its
+compile: ``compile_step`` is the entry (``compiling``); the recompute pass (``recompute_pass``) and its
 choice of saved values (``saved_values``); Inductor's in-place reuse despite input writes
 (``inplace_reuse``)."""
 
-from lmfunc.compiler.compiling import compile_graph, compile_step, tracing_settings
+from lmfunc.compiler.compiling import call_compiled, compile_graph, compile_step, tracing_settings
 
-__all__ = ["compile_graph", "compile_step", "tracing_settings"]
+__all__ = ["call_compiled", "compile_graph", "compile_step", "tracing_settings"]

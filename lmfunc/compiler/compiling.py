@@ -100,7 +100,7 @@ def with_own_code(fn: Callable) -> Callable:
 
 def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
     """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass; call the
-    result inside ``tracing_settings()`` (``compile_step`` does both).
+    result through ``call_compiled`` (``compile_step`` does both).
 
     Each call compiles a copy of ``fn`` with its own code object (``with_own_code``): steps built
     from the same function never share, or exhaust, one Dynamo cache.
@@ -118,13 +118,34 @@ def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choo
     return torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend)
 
 
-def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
-    """``compile_graph(fn, backend, choose_saved)``, each call made inside ``tracing_settings()``:
-    the way to compile any function that differentiates with ``lmfunc.grad.value_and_grad``."""
-    compiled = compile_graph(fn, backend, choose_saved)
+def call_compiled(compiled: Callable) -> Callable:
+    """``compiled`` (a ``compile_graph`` result) called with ``tracing_settings()`` held only on the
+    calls where Dynamo traces: the first call, and a later call that recompiles.
 
-    def run(*args, **kwargs):
+    Dynamo does not guard its compiled graphs on its config, so the cached graph runs without the
+    setting. A recompile that starts without it stops with ``torch._dynamo.exc.Unsupported`` while
+    tracing, before anything has run; that call is then made again with the setting held (a second
+    ``Unsupported`` has another cause and is raised). Between compiles no torch setting changes
+    while a step runs, also not for the process's other threads (prefetch, checkpoint writer).
+    """
+    traced = False
+
+    def call(*args, **kwargs):
+        nonlocal traced
+        if traced:
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported:
+                pass
         with tracing_settings():
-            return compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
+        traced = True
+        return out
 
-    return run
+    return call
+
+
+def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
+    """``call_compiled(compile_graph(fn, backend, choose_saved))``: the way to compile any function
+    that differentiates with ``lmfunc.grad.value_and_grad``."""
+    return call_compiled(compile_graph(fn, backend, choose_saved))

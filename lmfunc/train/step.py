@@ -22,7 +22,7 @@ from lmfunc.loss import LossOutput, lm_loss
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tree, update_loss_scale
-from lmfunc.compiler import compile_graph, tracing_settings
+from lmfunc.compiler import compile_step
 from lmfunc.train.state import TrainState
 from lmfunc.parallel.sharding import match_placements
 from lmfunc.tree import PyTree, flatten_with_paths, tree_leaves, tree_map, tree_unflatten_as
@@ -71,17 +71,15 @@ def _callable_step(
     fn: Callable, compile: bool, backend: Union[str, Callable], before: Optional[Callable] = None,
 ) -> Callable:
     """The one wrapper a step call passes through: ``before(first_arg)`` (a check, when given),
-    then ``fn`` (compiled with ``compile_graph`` when asked) inside ``distributed_context`` of the
-    first argument's params and, compiled, ``tracing_settings()``. Both contexts are entered
-    outside the compiled region: Dynamo cannot trace them."""
-    inner = compile_graph(fn, backend) if compile else fn
-    tracing = tracing_settings if compile else contextlib.nullcontext
+    then ``fn`` (``compile_step`` when asked) inside ``distributed_context`` of the first
+    argument's params, entered outside the compiled region: Dynamo cannot trace it."""
+    inner = compile_step(fn, backend) if compile else fn
 
     def step(state_or_params, batch):
         if before is not None:
             before(state_or_params)
         params = state_or_params.params if isinstance(state_or_params, TrainState) else state_or_params
-        with tracing(), distributed_context(params):
+        with distributed_context(params):
             return inner(state_or_params, batch)
 
     return step
