@@ -20,7 +20,7 @@ import tyro
 
 from lmfunc import model
 from lmfunc.checkpoint.locate import CONFIG_FILE, find_step_dir, saved_config
-from lmfunc.checkpoint.sharded import load_tree
+from lmfunc.checkpoint.sharded import DamagedCheckpoint, load_tree
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
 from lmfunc.config.yaml_io import save_config
@@ -42,6 +42,32 @@ class ExportArgs:
     """The checkpoint step to export; None takes the newest."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Dtype of the written weights."""
+    overwrite: bool = False
+    """Write into a non-empty --out (replacing only the files the export writes); a folder that
+    holds a training run is refused even then."""
+
+
+RUN_MARKERS = ("log.jsonl", "checkpoints", "lmfunc.lock")
+"""Entries that make a folder a training run's (``python -m lmfunc.train``)."""
+
+
+def check_out_dir(out: str, overwrite: bool, format: str) -> None:
+    """Raise ``ConfigError`` unless ``out`` may be written: missing or empty, or non-empty with
+    ``overwrite`` (not for orbax, which writes a new directory). Never a folder holding a run or a
+    checkpoint: the export would replace its files."""
+    if not os.path.exists(out):
+        return
+    if not os.path.isdir(out):
+        raise ConfigError(f"--out {out} is a file; pick a folder path")
+    entries = os.listdir(out)
+    run = [name for name in RUN_MARKERS if name in entries] + [name for name in entries if name.startswith("iter_")]
+    if run:
+        raise ConfigError(f"--out {out} holds a training run or checkpoints ({', '.join(sorted(run))}); "
+                          "an export never writes there, with or without --overwrite: pick another --out")
+    if entries and (not overwrite or format == "orbax"):
+        how = "orbax writes a new directory" if format == "orbax" else "pass --overwrite to replace the exported files"
+        raise ConfigError(f"--out {out} is not empty ({len(entries)} entries, e.g. {sorted(entries)[0]}); "
+                          f"pick a new folder, or {how}")
 
 
 def load_params(checkpoint: str, step: Optional[int] = None) -> tuple[TrainConfig, PyTree, str]:
@@ -53,7 +79,8 @@ def load_params(checkpoint: str, step: Optional[int] = None) -> tuple[TrainConfi
 
 
 def export(args: ExportArgs) -> str:
-    """Write the export and return a one-line summary."""
+    """Write the export (after checking ``args.out``) and return a one-line summary."""
+    check_out_dir(args.out, args.overwrite, args.format)
     cfg, params, step_dir = load_params(args.checkpoint, args.step)
     dtype = DTYPES[args.dtype]
     if args.format == "hf":
@@ -78,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = tyro.cli(ExportArgs, args=argv, prog="python -m lmfunc.export")
     try:
         print(export(args))
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, DamagedCheckpoint) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lmfunc import model
-from lmfunc.checkpoint.manager import MARKER, TRACKER, CheckpointManager, latest_step, step_dir_name
+from lmfunc.checkpoint.manager import IN_PROGRESS, MARKER, TRACKER, CheckpointManager, latest_step, step_dir_name
 from lmfunc.checkpoint.sharded import load_tree, save_tree, saved_tensors, stage_tree
-from lmfunc.config.model import model_preset
+from lmfunc.config.model import ConfigError, model_preset
 from lmfunc.optim import adamw
 from lmfunc.precision import LossScaleConfig
 from lmfunc.train.state import TrainState
@@ -111,14 +111,20 @@ def test_partial_saves_are_ignored_and_removed(tmp_path):
     directory = str(tmp_path)
     manager = CheckpointManager(directory, async_save=False)
     manager.save(10, _state(10))
-    # A crash mid-save leaves a .tmp directory; a copy without its marker is incomplete too.
+    # A crash mid-save leaves lmfunc's .tmp directory with its in-progress marker: removed on reopening.
     os.makedirs(os.path.join(directory, "iter_0000020.tmp"))
+    open(os.path.join(directory, "iter_0000020.tmp", IN_PROGRESS), "w").close()
     open(os.path.join(directory, "iter_0000020.tmp", "__0_0.distcp"), "w").write("partial")
-    os.makedirs(os.path.join(directory, "iter_0000030"))
-    open(os.path.join(directory, TRACKER), "w").write("30\n")
+    open(os.path.join(directory, TRACKER), "w").write("20\n")
     assert latest_step(directory) == 10
     reopened = CheckpointManager(directory)
-    assert reopened.removed_partial == ["iter_0000020.tmp", "iter_0000030"]
+    assert reopened.removed_partial == ["iter_0000020.tmp"]
     assert sorted(os.listdir(directory)) == ["iter_0000010", TRACKER]
+    # Anything else named iter_* was not written by lmfunc: the directory is refused, nothing is deleted.
+    os.makedirs(os.path.join(directory, "iter_0000030"))
+    os.makedirs(os.path.join(directory, "iter_0000040.tmp"))
+    with pytest.raises(ConfigError, match=r"iter_0000030 \(no lmfunc metadata.json.*iter_0000040.tmp \(an unfinished save without"):
+        CheckpointManager(directory)
+    assert sorted(os.listdir(directory)) == ["iter_0000010", "iter_0000030", "iter_0000040.tmp", TRACKER]
     with pytest.raises(FileNotFoundError, match="complete steps in .*: \\[10\\]"):
         reopened.restore(_state(0), 30)

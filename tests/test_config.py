@@ -12,6 +12,8 @@ YAML = """
 preset: tiny
 model:
   vocab-size: 384
+data:
+  seq_length: 64
 optim:
   lr: 3e-4            # YAML reads this as a string; the float field converts it
 run:
@@ -39,7 +41,7 @@ def test_yaml_preset_env_and_cli_override(tmp_path, monkeypatch):
 
 
 def test_saved_config_reloads_identically(tmp_path):
-    cfg = parse_args(["--preset", "tiny", "--model.vocab-size", "384", "--run.rampup-batch-size", "8", "8", "64",
+    cfg = parse_args(["--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "64", "--run.rampup-batch-size", "8", "8", "64",
                       "--run.train-iters", "None", "--run.train-samples", "640", "--run.global-batch-size", "16",
                       "--optim.lr-warmup-iters", "0", "--optim.lr-warmup-samples", "32"])
     path = str(tmp_path / "snapshot.yaml")

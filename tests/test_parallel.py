@@ -29,10 +29,10 @@ def test_sizes_resolve_and_bad_layouts_are_named():
 
 
 def test_mtp_on_a_2d_mesh_with_compile_is_refused():
-    from lmfunc.config.train import ParallelConfig, RunConfig, TrainConfig
+    from lmfunc.config.train import DataConfig, ParallelConfig, RunConfig, TrainConfig
 
     cfg = TrainConfig(model=model_preset("tiny", mtp_num_layers=1), parallel=ParallelConfig(dp_shard=2, tp=2),
-                      run=RunConfig(micro_batch_size=4))
+                      data=DataConfig(seq_length=64), run=RunConfig(micro_batch_size=4))
     with pytest.raises(ConfigError, match=r"2-D mesh \(dp_shard x tp\).*--run.no-compile"):
         cfg.validate(world_size=4)
     cfg.replace(run=RunConfig(micro_batch_size=4, compile=False)).validate(world_size=4)

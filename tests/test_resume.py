@@ -193,7 +193,7 @@ def test_a_different_hidden_size_is_refused_by_name(workdir, reference, capsys, 
     with pytest.raises(SystemExit):
         train_main(["--config", str(workdir / "run.yaml"), "--run.name", "absent", "--checkpoint.load",
                     str(workdir / "nowhere"), "--run.no-compile"])
-    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert "holds no complete lmfunc checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a named run that exists and has no checkpoint to resume
         train_main(["--config", str(workdir / "run.yaml"), "--run.name", "reference", "--checkpoint.no-resume"])
     assert "already holds a run" in capsys.readouterr().err

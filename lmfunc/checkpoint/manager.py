@@ -8,15 +8,21 @@
         config.yaml ...                           files handed to ``save`` (the run's config)
         metadata.json                             the completion marker, written last
 
-A save writes into ``iter_0000100.tmp/``, adds the marker once every rank's shards are written,
-renames the directory to ``iter_0000100`` and only then updates the tracker, so a crash at any
-moment leaves the previous checkpoint as the newest complete one. Directories without the marker
-are never loaded and are removed when a manager opens ``save_dir``. Saves may run in the background
-(one at a time); the newest ``keep`` complete checkpoints are kept.
+A save writes into ``iter_0000100.tmp/`` (created with the in-progress marker
+``.lmfunc-in-progress``), adds the completion marker once every rank's shards are written, renames
+the directory to ``iter_0000100`` and only then updates the tracker, so a crash at any moment
+leaves the previous checkpoint as the newest complete one. Saves may run in the background (one at
+a time); the newest ``keep`` complete checkpoints are kept.
+
+lmfunc deletes only what it wrote: unfinished saves carrying the in-progress marker (when a
+manager opens ``save_dir``) and its own complete checkpoints beyond ``keep``. Any other
+``iter_*`` entry (a Megatron checkpoint, a copy without the marker) is never loaded, pruned or
+removed: ``check_save_dir`` refuses such a save_dir, naming what it found.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -24,19 +30,59 @@ import shutil
 from concurrent.futures import Future
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lmfunc.checkpoint.sharded import async_save_tree, load_tree, save_tree
-from lmfunc.tree import PyTree
+from lmfunc.config.model import ConfigError
+from lmfunc.tree import PyTree, tree_leaves
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "metadata.json"
+IN_PROGRESS = ".lmfunc-in-progress"
+BACKEND = "torch_dcp"
 _STEP_DIR = re.compile(r"^iter_(\d{7,})$")
+_ANY_STEP_DIR = re.compile(r"^iter_\d+")
 
 
 def step_dir_name(step: int) -> str:
     """``iter_0000100`` for step 100 (Megatron's ``iter_{:07d}``)."""
     return f"iter_{step:07d}"
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint save that did not complete (its message says why); the previous complete
+    checkpoint and the tracker are untouched, and the unfinished directory is removed."""
+
+
+def _no_space(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it carries: a cause, a DCP rank failure) is a full disk. A full
+    disk inside ``torch.save``'s zip writer surfaces as "unexpected pos" without the errno."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left" in str(e) or "unexpected pos" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__]
+        for wrapped in (getattr(e, "failures", None) or {}).values():
+            todo.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+    return False
+
+
+def _local_bytes(tree: PyTree) -> int:
+    """Bytes of this process's part of ``tree`` (a DTensor counts its local shard)."""
+    total = 0
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+            total += local.numel() * local.element_size()
+    return total
 
 
 def _rank() -> int:
@@ -52,16 +98,81 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _marker(path: str) -> Optional[dict]:
+    """The completion marker of checkpoint directory ``path`` as a dict; None when missing or unreadable."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def is_lmfunc_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a complete lmfunc checkpoint: its marker names lmfunc's DCP backend
+    (a Megatron ``torch_dist`` checkpoint has a ``metadata.json`` too, with another backend)."""
+    marker = _marker(path)
+    return marker is not None and marker.get("sharded_backend") == BACKEND
+
+
 def complete_steps(directory: str) -> list[int]:
-    """Steps of the complete checkpoints (``iter_*`` with the marker) in ``directory``, ascending."""
+    """Steps of the complete lmfunc checkpoints (``iter_*`` with lmfunc's marker) in ``directory``, ascending."""
     if not os.path.isdir(directory):
         return []
     steps = []
     for name in os.listdir(directory):
         match = _STEP_DIR.match(name)
-        if match and os.path.isfile(os.path.join(directory, name, MARKER)):
+        if match and is_lmfunc_checkpoint(os.path.join(directory, name)):
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def describe_foreign(path: str) -> str:
+    """What the ``iter_*`` entry ``path`` (not a complete lmfunc checkpoint) looks like, for a message."""
+    name = os.path.basename(path)
+    if not os.path.isdir(path):
+        return f"{name} (a file, not a checkpoint directory)"
+    entries = sorted(os.listdir(path))
+    legacy = [e for e in entries if e.startswith("mp_rank_") and os.path.isdir(os.path.join(path, e))]
+    if legacy:
+        inner = sorted(os.listdir(os.path.join(path, legacy[0])))
+        return f"{name} (a Megatron legacy checkpoint: {legacy[0]}/{inner[0] if inner else ''})"
+    marker = _marker(path)
+    if marker is not None and marker.get("sharded_backend") not in (None, BACKEND):
+        return f"{name} (a Megatron distributed checkpoint, sharded_backend {marker['sharded_backend']!r})"
+    if name.endswith(".tmp"):
+        return f"{name} (an unfinished save without lmfunc's {IN_PROGRESS} marker)"
+    return f"{name} (no lmfunc {MARKER}: not a complete lmfunc checkpoint)"
+
+
+def foreign_entries(directory: str) -> list[str]:
+    """Descriptions of the ``iter_*`` entries of ``directory`` that lmfunc did not write: neither a
+    complete lmfunc checkpoint nor an unfinished lmfunc save."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not _ANY_STEP_DIR.match(name) or is_lmfunc_checkpoint(path) or _is_unfinished_save(path):
+            continue
+        found.append(describe_foreign(path))
+    return found
+
+
+def check_save_dir(directory: str) -> None:
+    """Raise ``ConfigError`` when ``directory`` holds ``iter_*`` entries lmfunc did not write: they
+    would be mixed with lmfunc's saves (and Megatron's tracker file would be overwritten)."""
+    found = foreign_entries(directory)
+    if found:
+        raise ConfigError(
+            f"checkpoint save_dir {directory} holds checkpoints lmfunc cannot read: {'; '.join(found)}. "
+            "lmfunc leaves them untouched: pass another --checkpoint.save-dir (or move them away)"
+        )
+
+
+def _is_unfinished_save(path: str) -> bool:
+    """An ``iter_*.tmp`` directory of lmfunc's: in progress, or marked complete but not yet renamed."""
+    return path.endswith(".tmp") and (os.path.isfile(os.path.join(path, IN_PROGRESS)) or is_lmfunc_checkpoint(path))
 
 
 def latest_step(directory: str) -> Optional[int]:
@@ -79,16 +190,14 @@ def latest_step(directory: str) -> Optional[int]:
 
 
 def remove_partial(directory: str) -> list[str]:
-    """Delete the unfinished saves in ``directory`` (``*.tmp`` directories and ``iter_*`` without
-    the marker); return their names."""
+    """Delete lmfunc's unfinished saves in ``directory`` (``iter_*.tmp`` directories with the
+    in-progress marker, and nothing else); return their names."""
     if not os.path.isdir(directory):
         return []
     removed = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
-        unfinished = name.startswith("iter_") and name.endswith(".tmp")
-        unmarked = _STEP_DIR.match(name) is not None and not os.path.isfile(os.path.join(path, MARKER))
-        if os.path.isdir(path) and (unfinished or unmarked):
+        if _ANY_STEP_DIR.match(name) and _is_unfinished_save(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return removed
@@ -114,9 +223,10 @@ class CheckpointManager:
         self.process_group = process_group if process_group is not None or not distributed else dist.new_group(backend="gloo")
         self.removed_partial: list[str] = []
         if _rank() == 0:
+            check_save_dir(directory)
             os.makedirs(directory, exist_ok=True)
             self.removed_partial = remove_partial(directory)
-        self._pending: Optional[tuple[int, Future, Callable[[], None]]] = None
+        self._pending: Optional[tuple[int, Future, Callable[[], None], int]] = None
         self.last_saved: Optional[int] = None
 
     def path(self, step: int) -> str:
@@ -135,12 +245,19 @@ class CheckpointManager:
         donates its state: ``make_train_step(donate_state=True)``)."""
         self.wait()
         tmp = self.path(step) + ".tmp"
+        nbytes = _local_bytes(tree)
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            for name, text in (files or {}).items():
-                with open(os.path.join(tmp, name), "w") as f:
-                    f.write(text)
+            if os.path.exists(tmp) and not _is_unfinished_save(tmp):
+                raise ConfigError(f"checkpoint save: {tmp} exists and was not written by lmfunc; move it away")
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+                open(os.path.join(tmp, IN_PROGRESS), "w").close()
+                for name, text in (files or {}).items():
+                    with open(os.path.join(tmp, name), "w") as f:
+                        f.write(text)
+            except OSError as err:
+                raise self._failure(step, err, nbytes) from None
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.process_group)
 
@@ -150,17 +267,39 @@ class CheckpointManager:
             self.last_saved = step
 
         if self.async_save:
-            self._pending = (step, async_save_tree(tree, tmp, self.process_group, stage=stage), finish)
+            self._pending = (step, async_save_tree(tree, tmp, self.process_group, stage=stage), finish, nbytes)
         else:
-            save_tree(tree, tmp, self.process_group)
-            finish()
+            try:
+                save_tree(tree, tmp, self.process_group)
+                finish()
+            except (Exception, CheckpointException) as err:
+                raise self._failure(step, err, nbytes) from None
+
+    def _failure(self, step: int, err: BaseException, nbytes: int) -> "SaveFailed":
+        """The ``SaveFailed`` for a save of step ``step`` that raised ``err``, after removing its
+        unfinished directory (rank 0): a full disk is named as such, with the bytes needed."""
+        free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else 0
+        if _rank() == 0:
+            shutil.rmtree(self.path(step) + ".tmp", ignore_errors=True)
+        if _no_space(err) or free < nbytes:
+            what = (f"no space left on {self.directory} (this process's part of the checkpoint needs about "
+                    f"{nbytes / 2**20:.1f} MiB, {free / 2**20:.1f} MiB were free)")
+        else:
+            what = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        previous = self.latest()
+        kept = (f"the previous checkpoint (step {previous}) and the tracker are intact" if previous is not None
+                else "there is no earlier checkpoint")
+        return SaveFailed(f"saving checkpoint step {step} to {self.directory} failed: {what}; {kept}")
 
     def _commit(self, step: int, tmp: str) -> None:
         """Marker, rename, tracker, then pruning: each later step only happens after the earlier."""
-        marker = {"sharded_backend": "torch_dcp", "sharded_backend_version": 1, "iteration": step}
+        marker = {"sharded_backend": BACKEND, "sharded_backend_version": 1, "iteration": step}
         _write_atomically(os.path.join(tmp, MARKER), json.dumps(marker) + "\n")
+        os.remove(os.path.join(tmp, IN_PROGRESS))
         final = self.path(step)
         if os.path.exists(final):
+            if not is_lmfunc_checkpoint(final):
+                raise ConfigError(f"checkpoint save: {describe_foreign(final)} is in the way and was not written by lmfunc")
             shutil.rmtree(final)
         os.rename(tmp, final)
         _write_atomically(os.path.join(self.directory, TRACKER), f"{step}\n")
@@ -179,18 +318,18 @@ class CheckpointManager:
         """Block until the background save (if any) is written and committed; re-raise its error."""
         if self._pending is None:
             return
-        step, future, finish = self._pending
+        step, future, finish, nbytes = self._pending
         self._pending = None
         try:
             future.result()
-        except Exception as err:
-            raise RuntimeError(f"saving checkpoint step {step} to {self.path(step)}.tmp failed: {err}") from err
-        finish()
+            finish()
+        except (Exception, CheckpointException) as err:
+            raise self._failure(step, err, nbytes) from None
 
     def restore(self, like: PyTree, step: int, allow_unused: bool = False) -> PyTree:
         """The checkpoint of ``step`` loaded into the layout of ``like`` (see ``load_tree``)."""
         path = self.path(step)
-        if not os.path.isfile(os.path.join(path, MARKER)):
+        if not is_lmfunc_checkpoint(path):
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER}); complete steps in "
                                     f"{self.directory}: {self.steps() or 'none'}")
         return load_tree(like, path, self.process_group, allow_unused)

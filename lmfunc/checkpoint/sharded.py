@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmfunc.tree import PyTree, flatten_with_paths, tree_flatten, tree_map, tree_unflatten
@@ -81,12 +82,36 @@ def async_save_tree(tree: PyTree, path: str, process_group: Optional[dist.Proces
                           async_stager=_Unstaged(), no_dist=not _distributed())
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint whose files are missing or unreadable (a lost shard, a truncated file, a missing
+    or corrupt ``.metadata``); the message names the file and the failure."""
+
+
+def _failure_summary(err: BaseException) -> str:
+    """One line per failed rank of a DCP ``CheckpointException`` (else the error itself)."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(err).__name__}: {err}".strip()
+    parts = []
+    for rank, wrapped in sorted(failures.items()):
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, OSError) and inner.filename:
+            text = f"{inner.strerror}: {inner.filename}"
+        else:
+            text = str(inner).strip() or ("a file ends early (truncated)" if isinstance(inner, EOFError) else "")
+        parts.append(f"rank {rank}: {type(inner).__name__}: {text}")
+    return "; ".join(parts)
+
+
 def saved_tensors(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``{key: (global shape, dtype)}`` of the tensors stored in the DCP directory ``path``."""
+    """``{key: (global shape, dtype)}`` of the tensors stored in the DCP directory ``path``; raises
+    ``DamagedCheckpoint`` when its ``.metadata`` is missing or unreadable."""
     try:
         metadata = FileSystemReader(path).read_metadata()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is not a checkpoint: it has no DCP .metadata file") from None
+        raise DamagedCheckpoint(f"{path} has no DCP .metadata file") from None
+    except Exception as err:  # a truncated or overwritten pickle fails in many ways
+        raise DamagedCheckpoint(f"{path}/.metadata cannot be read ({type(err).__name__}: {err})") from None
     return {key: (tuple(entry.size), entry.properties.dtype)
             for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
 
@@ -113,10 +138,14 @@ def load_tree(like: PyTree, path: str, process_group: Optional[dist.ProcessGroup
 
     ``like`` gives the names, shapes, dtypes and layout (plain tensors or DTensors on any mesh) of
     the result; stored values are resharded to it. ``allow_unused`` permits loading a part of the
-    checkpoint (e.g. only ``params``). Mismatched names or shapes raise ``ValueError`` up front.
+    checkpoint (e.g. only ``params``). Mismatched names or shapes raise ``ValueError`` up front;
+    missing or unreadable files raise ``DamagedCheckpoint`` (on every rank: DCP gathers failures).
     """
     check_compatible(like, path, allow_unused)
     _, spec = tree_flatten(like)
     state_dict = to_state_dict(like)
-    dcp.load(state_dict, checkpoint_id=path, process_group=process_group, no_dist=not _distributed())
+    try:
+        dcp.load(state_dict, checkpoint_id=path, process_group=process_group, no_dist=not _distributed())
+    except CheckpointException as err:  # a BaseException subclass in torch
+        raise DamagedCheckpoint(f"{path}: {_failure_summary(err)}") from None
     return tree_unflatten(list(state_dict.values()), spec)

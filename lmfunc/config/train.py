@@ -93,6 +93,12 @@ class OptimConfig:
     """Peak lr of the token embedding and the output layer (Megatron's --decoupled-lr); None uses optim.lr."""
     decoupled_min_lr: Optional[float] = None
     """Final lr of the decoupled group; None uses optim.min_lr."""
+    override_opt_param_scheduler: bool = False
+    """On resume, use this run's learning-rate and weight-decay settings although the checkpoint's
+    differ (Megatron's --override-opt_param-scheduler)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, use the checkpoint's learning-rate and weight-decay settings instead of this run's
+    (Megatron's --use-checkpoint-opt_param-scheduler)."""
     scale_lr_patterns: tuple[str, ...] = ()
     """Dotted parameter names (shell patterns, e.g. '*.mlp.*') whose lr is multiplied by optim.lr_mult."""
     lr_mult: float = 1.0
@@ -167,6 +173,10 @@ class CheckpointConfig:
     """On SIGTERM or SIGINT every rank finishes the current step, saves a checkpoint and exits 0."""
     save_weights: bool = True
     """Write the final parameters to RUN_DIR/model.safetensors (read by ``python -m lmfunc.generate``)."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """When a checkpoint save fails mid-run (a full disk, a lost mount): stop at once, or keep
+    training and try again at the next save. A run whose last save failed still writes its final
+    weights (to a temporary folder if RUN_DIR cannot take them; the path is printed) and exits 1."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +199,9 @@ class RunConfig:
 
     micro_batch_size: int = 8
     """Sequences per microbatch (per data-parallel rank)."""
-    global_batch_size: int = 8
-    """Sequences per optimizer step; microbatches = global / (micro x data-parallel size)."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step; microbatches = global / (micro x data-parallel size). None (the
+    default) means micro_batch_size x data-parallel size, Megatron's rule."""
     rampup_batch_size: Optional[tuple[int, int, int]] = None
     """Megatron's ramp-up: START INCREMENT SAMPLES. The global batch grows from START by INCREMENT
     over SAMPLES samples (needs run.train_samples)."""
@@ -238,12 +249,31 @@ class TrainConfig:
 
     def validate(self, world_size: int = 1) -> "TrainConfig":
         """Raise ``ConfigError`` naming the fields and the fix when settings contradict (the parallel
-        sizes checked against ``world_size`` processes); return self."""
-        validate_train(self, world_size)
-        return self
+        sizes checked against ``world_size`` processes); return the config with an unset
+        ``run.global_batch_size`` resolved (``resolve_global_batch_size``)."""
+        dp = self.parallel.data_parallel_size(world_size) if _valid_mesh(self, world_size) else 1
+        cfg = self.replace(run=dataclasses.replace(self.run, global_batch_size=resolve_global_batch_size(self.run, dp)))
+        validate_train(cfg, world_size)
+        return cfg
 
     def replace(self, **sections: object) -> "TrainConfig":
         return dataclasses.replace(self, **sections)
+
+
+def resolve_global_batch_size(run: RunConfig, data_parallel_size: int) -> int:
+    """``run.global_batch_size``, or when unset ``micro_batch_size x data_parallel_size`` (one
+    microbatch per step, Megatron's default)."""
+    if run.global_batch_size is not None:
+        return run.global_batch_size
+    return run.micro_batch_size * data_parallel_size if isinstance(run.micro_batch_size, int) else run.micro_batch_size
+
+
+def _valid_mesh(cfg: "TrainConfig", world_size: int) -> bool:
+    try:
+        cfg.parallel.data_parallel_size(world_size)
+    except ConfigError:
+        return False
+    return True
 
 
 def _require(condition: bool, message: str) -> None:
@@ -364,16 +394,21 @@ def validate_train(cfg: TrainConfig, world_size: int = 1) -> None:
     sources = [name for name, on in (("data.path", data.path is not None), ("data.train_path", per_split),
                                      ("data.text_file", data.text_file is not None), ("data.mock", data.mock)) if on]
     _require(len(sources) <= 1, f"{' and '.join(sources)} are both set; choose one data source")
-    if cfg.model.position_embedding_type == "learned_absolute":
-        _require(data.seq_length <= cfg.model.max_position_embeddings,
-                 f"data.seq_length ({data.seq_length}) exceeds model.max_position_embeddings "
-                 f"({cfg.model.max_position_embeddings}) of the learned position table; raise one or lower the other")
+    table = ("the learned position table" if cfg.model.position_embedding_type == "learned_absolute"
+             else "the longest sequence the model is built for (generation's context too)")
+    _require(data.seq_length <= cfg.model.max_position_embeddings,
+             f"data.seq_length ({data.seq_length}) exceeds model.max_position_embeddings "
+             f"({cfg.model.max_position_embeddings}), {table}; raise --model.max-position-embeddings to at least "
+             f"{data.seq_length} or lower --data.seq-length (Megatron requires max_position_embeddings >= seq_length)")
     _require(optim.lr > 0 and 0 <= optim.min_lr <= optim.lr,
              f"need optim.lr > 0 and 0 <= optim.min_lr <= optim.lr, got lr={optim.lr}, min_lr={optim.min_lr}")
     _require(0 <= optim.adam_beta1 < 1 and 0 <= optim.adam_beta2 < 1,
              f"optim.adam_beta1/adam_beta2 must be in [0, 1), got {optim.adam_beta1}, {optim.adam_beta2}")
     _require(optim.clip_grad >= 0, f"optim.clip_grad must be >= 0 (0 disables clipping), got {optim.clip_grad}")
     _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+    _require(not (optim.override_opt_param_scheduler and optim.use_checkpoint_opt_param_scheduler),
+             "optim.override_opt_param_scheduler and optim.use_checkpoint_opt_param_scheduler exclude each other: "
+             "pick this run's schedule or the checkpoint's")
     _positive(log.log_interval, "log.log_interval")
     _require(log.peak_flops is None or log.peak_flops > 0, f"log.peak_flops must be positive, got {log.peak_flops}")
     _positive(run.eval_interval, "run.eval_interval")

@@ -10,6 +10,7 @@ from lmfunc.config.model import ConfigError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    from lmfunc.checkpoint.manager import SaveFailed
     from lmfunc.train.cli import parse_args
     from lmfunc.train.loop import train
 
@@ -19,6 +20,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except SaveFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         exit_without_finalizing()
 

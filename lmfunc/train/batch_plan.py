@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lmfunc.config.train import RunConfig
+from lmfunc.config.train import RunConfig, resolve_global_batch_size
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class BatchPlan:
 
     @classmethod
     def from_config(cls, run: RunConfig, data_parallel_size: int = 1) -> "BatchPlan":
-        return cls(run.micro_batch_size, run.global_batch_size, data_parallel_size, run.rampup_batch_size)
+        return cls(run.micro_batch_size, resolve_global_batch_size(run, data_parallel_size), data_parallel_size,
+                   run.rampup_batch_size)
 
     def global_batch_at(self, consumed_samples: int) -> int:
         """Global batch size of the step that starts after ``consumed_samples`` sequences."""

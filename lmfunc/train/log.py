@@ -13,7 +13,7 @@ from tqdm import tqdm
 from lmfunc.config.model import ConfigError
 
 
-def _open_tensorboard(path: str):
+def _tensorboard_writer_class():
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -21,23 +21,25 @@ def _open_tensorboard(path: str):
             "log.tensorboard needs the tensorboard package: pip install tensorboard "
             "(or pip install -e '.[tensorboard]'), or drop --log.tensorboard"
         ) from None
-    return SummaryWriter(path)
+    return SummaryWriter
 
 
 class RunLogger:
     """Writes records to ``RUN_DIR/log.jsonl`` (one JSON object per line with ``kind`` and ``step``),
-    mirrors numeric fields to TensorBoard as ``<kind>/<field>``, and owns the terminal output."""
+    mirrors numeric fields to TensorBoard as ``<kind>/<field>``, and owns the terminal output.
+
+    The files are opened at the first record, so a run refused during setup writes nothing."""
 
     def __init__(self, run_dir: Optional[str], total_steps: int, progress_bar: bool = True, tensorboard: bool = False):
         """``run_dir`` None makes a silent logger (the other ranks of a multi-process run)."""
         self.enabled = run_dir is not None
         self.path = os.path.join(run_dir, "log.jsonl") if run_dir is not None else ""
         self._bar: Optional[tqdm] = None
-        self._tb = None
+        self._tb, self._file = None, None
         if not self.enabled:
             return
-        self._tb = _open_tensorboard(os.path.join(run_dir, "tensorboard")) if tensorboard else None
-        self._file = open(self.path, "a")
+        self._tb_dir = os.path.join(run_dir, "tensorboard")
+        self._tb_class = _tensorboard_writer_class() if tensorboard else None
         if progress_bar:
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr)
 
@@ -67,6 +69,9 @@ class RunLogger:
         if not self.enabled:
             return
         entry = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
+        if self._file is None:
+            self._file = open(self.path, "a")
+            self._tb = self._tb_class(self._tb_dir) if self._tb_class is not None else None
         self._file.write(json.dumps(entry) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -80,7 +85,8 @@ class RunLogger:
             return
         if self._tb is not None:
             self._tb.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_log(path: str) -> list[dict]:

@@ -17,9 +17,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from lmfunc import model
-from lmfunc.checkpoint import save_weights
 from lmfunc.checkpoint.locate import CONFIG_FILE
-from lmfunc.checkpoint.manager import CheckpointManager
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
 from lmfunc.config.yaml_io import config_yaml, save_config
@@ -31,7 +29,9 @@ from lmfunc.parallel.mesh import Layout, build_mesh, launched_world_size
 from lmfunc.parallel.sharding import full_tensors
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype
 from lmfunc.train.batch_plan import BatchPlan
-from lmfunc.train.resume import RunPaths, broadcast, prepare_run_paths, restore_state
+from lmfunc.train.resume import RunPaths, broadcast, check_writable, prepare_run_paths, restore_state
+from lmfunc.train.run_checkpoints import RunCheckpoints
+from lmfunc.train.run_lock import RunLock
 from lmfunc.train.log import RunLogger
 from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.params import init_params, place_params
@@ -105,7 +105,7 @@ def _sample_text(params, cfg: TrainConfig, tokenizer) -> Optional[str]:
 def train(cfg: TrainConfig) -> RunResult:
     """Train ``cfg`` (validated first) and return the run's losses, directory and sample."""
     world_size = launched_world_size()
-    cfg.validate(world_size)
+    cfg = cfg.validate(world_size)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(
@@ -126,18 +126,20 @@ def train(cfg: TrainConfig) -> RunResult:
         dist.destroy_process_group()
 
 
-def _run_paths(cfg: TrainConfig, main_rank: bool) -> RunPaths:
-    """Rank 0's ``prepare_run_paths`` on every rank (its ConfigError raised on every rank)."""
+def _run_paths(cfg: TrainConfig, main_rank: bool) -> tuple[RunPaths, list[RunLock]]:
+    """Rank 0's ``prepare_run_paths`` on every rank (its ConfigError raised on every rank); the
+    locks it took (rank 0 only)."""
     decision: object = None
+    locks: list[RunLock] = []
     if main_rank:
         try:
-            decision = prepare_run_paths(cfg)
+            decision, locks = prepare_run_paths(cfg)
         except ConfigError as err:
             decision = err
     decision = broadcast(decision)
     if isinstance(decision, ConfigError):
         raise decision
-    return decision
+    return decision, locks
 
 
 def _initial_params(cfg: TrainConfig, layout: Layout, resuming: bool):
@@ -154,8 +156,9 @@ def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
     """The run in named phases: setup, the step loop (with evaluation and checkpoint saves inside),
     finish; whatever happens, the loader, the signal handlers, an in-flight save and the log are
     closed."""
-    run = _Run.setup(cfg, tokenizer, layout)
+    run = _Run(cfg, tokenizer, layout)
     try:
+        run.setup()
         run.step_loop()
         return run.finish()
     finally:
@@ -173,37 +176,47 @@ class _Run:
         self.val_losses: list[tuple[int, float]] = []
         self.meter, self.interval_losses = _Throughput(), []
         self.started = time.perf_counter()
+        # Set by setup; close() releases whatever was set.
+        self.locks: list[RunLock] = []
+        self.logger: Optional[RunLogger] = None
+        self.checkpoints: Optional[RunCheckpoints] = None
+        self.loader: Optional[PrefetchLoader] = None
+        self.stop: Optional[StopRequests] = None
 
     # Phase 1: setup.
-    @classmethod
-    def setup(cls, cfg: TrainConfig, tokenizer, layout: Layout) -> "_Run":
-        """Datasets, the run directory and log, the model and optimizer, the restored state, the
-        compiled steps, the batch loader and the stop requests."""
-        self = cls(cfg, tokenizer, layout)
+    def setup(self) -> None:
+        """Datasets, the run directory (checked, locked) and log, the model and optimizer, the
+        restored state, the compiled steps, the batch loader and the stop requests. Nothing is
+        written before every check that can refuse the run has passed."""
+        cfg = self.cfg
         run = cfg.run
+        check_writable(run.out_dir, "run.out_dir")  # the data index cache is written there first
         self.train_iters = (run.train_iters if run.train_iters is not None
                             else self.plan.train_iters_for_samples(run.train_samples))
         if self.train_iters < 1:
             raise ConfigError(f"run.train_samples ({run.train_samples}) is less than one global batch; train longer")
-        self.train_data, self.valid_data = run_datasets(cfg, tokenizer, self.train_iters)
-        self.paths = _run_paths(cfg, self.main_rank)
+        self.train_data, self.valid_data = run_datasets(cfg, self.tokenizer, self.train_iters)
+        self.paths, self.locks = _run_paths(cfg, self.main_rank)
+        self.cfg = cfg = self.paths.cfg
         self.run_dir = self.paths.run_dir if self.main_rank else None
-        if self.run_dir is not None:
-            save_config(cfg, os.path.join(self.run_dir, CONFIG_FILE))
         self.logger = RunLogger(self.run_dir, self.train_iters, cfg.log.progress_bar, cfg.log.tensorboard)
+        for lock in self.locks:
+            if lock.taken_over:
+                self.logger.echo(lock.taken_over)
         self.logger.echo("resolved config:\n" + config_yaml(cfg).rstrip())
         self._set_up_throughput_and_announce()
         self._set_up_state_and_steps()
+        if self.run_dir is not None:
+            save_config(cfg, os.path.join(self.run_dir, CONFIG_FILE))
         self.evaluating = self.valid_data is not None and run.eval_iters > 0
-        self.eval_batches = eval_batches(self.valid_data, cfg, tokenizer, layout) if self.evaluating else []
+        self.eval_batches = eval_batches(self.valid_data, cfg, self.tokenizer, self.layout) if self.evaluating else []
         # The next batches are built on a thread while the step runs.
         self.loader = PrefetchLoader(self._train_batch, self.plan.samples_before_steps(
             max(self.train_iters - self.start_step, 0), self.consumed)[:-1])
         self.stop = StopRequests(cfg.checkpoint.exit_signal_handler,
                                  None if run.exit_duration_in_mins is None else 60 * run.exit_duration_in_mins)
-        self.step, self.saved_step = self.start_step, self.start_step
+        self.step = self.checkpoints.saved_step = self.start_step
         self.exit_reason = "train_iters" if run.train_iters is not None else "train_samples"
-        return self
 
     def _set_up_throughput_and_announce(self) -> None:
         cfg, layout, seq = self.cfg, self.layout, self.cfg.data.seq_length
@@ -218,7 +231,10 @@ class _Run:
             + (f"mesh: {dict(zip(layout.dims(), layout.mesh.mesh.shape))} over {processes} processes\n"
                if layout.mesh is not None else "")
             + f"data: {len(self.train_data)} train / {valid} validation samples of {seq} tokens "
-            f"({source}); {self.train_iters} steps; model {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
+            f"({source}); {self.train_iters} steps of global batch {cfg.run.global_batch_size} "
+            f"(micro batch {cfg.run.micro_batch_size} x data-parallel {layout.data_parallel_size}"
+            + (f", ramp-up {cfg.run.rampup_batch_size}" if cfg.run.rampup_batch_size else "") + "); model"
+            f" {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
             f"{self.flops_token / 1e6:.2f} MFLOP/token; MFU peak {self.peak_flops / 1e9:.1f} GFLOP/s "
             f"({'configured' if cfg.log.peak_flops else 'measured fp32 matmul'}"
             + (f", x {processes} processes" if processes > 1 else "") + ")"
@@ -233,14 +249,9 @@ class _Run:
         tx = build_optimizer(cfg, schedule, params, decoupled)
         loss_scale = cfg.precision.loss_scaling()
         dtype = compute_dtype(cfg.precision.compute_dtype)
-        self.manager = (CheckpointManager(self.paths.save_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-                        if cfg.checkpoint.save else None)
-        if self.manager is not None and self.manager.removed_partial:
-            self.logger.echo(f"removed unfinished checkpoint saves in {self.paths.save_dir}: "
-                             f"{', '.join(self.manager.removed_partial)}")
-        self.committed = self.manager.last_saved if self.manager is not None else None
+        self.checkpoints = RunCheckpoints(cfg, self.paths.save_dir, self.logger)
         restored = restore_state(cfg, TrainState.create(params, tx, seed=run.seed, loss_scale=loss_scale),
-                                 self.paths.load_dir, self.paths.load_step)
+                                 self.paths.load_dir, self.paths.load_step, warn=self.logger.echo)
         self.state = restored.state
         self.start_step, self.consumed = int(self.state.step), int(self.state.consumed_samples)
         if restored.source is not None:
@@ -275,13 +286,10 @@ class _Run:
             self._after_step(step, microbatches, metrics)
             if self.evaluating and (step % run.eval_interval == 0 or step == self.train_iters):
                 self.validate(step)
-            if self.manager is not None:
-                self.manager.in_flight()
-                self.note_commits()
-                if self.cfg.checkpoint.save_interval is not None and step % self.cfg.checkpoint.save_interval == 0:
-                    self.save(step)
-                    self.saved_step = step
-            reason = self.stop.should_stop()
+            began = time.perf_counter()
+            self.checkpoints.after_step(step, self.state)
+            self.meter.pause(time.perf_counter() - began)
+            reason = "save_failed" if self.checkpoints.stop_requested else self.stop.should_stop()
             if reason is None and run.exit_interval is not None and step % run.exit_interval == 0:
                 reason = "exit_interval"
             if reason is not None:
@@ -342,35 +350,18 @@ class _Run:
         self.logger.echo(f"validation at step {step}: loss {val_loss:.4f} | ppl {ppl:.2f}{note}")
         self.meter.pause(time.perf_counter() - began)
 
-    def note_commits(self) -> None:
-        """Log the background saves that have been committed since the last call."""
-        if self.manager is not None and self.manager.last_saved != self.committed:
-            self.committed = self.manager.last_saved
-            self.logger.record("checkpoint", self.committed, path=self.manager.path(self.committed))
-            self.logger.echo(f"saved checkpoint {self.manager.path(self.committed)}")
-
-    def save(self, step: int) -> None:
-        began = time.perf_counter()
-        # Staged: the next step donates the state's tensors.
-        self.manager.save(step, self.state, files={CONFIG_FILE: config_yaml(self.cfg)}, stage=True)
-        self.note_commits()
-        self.meter.pause(time.perf_counter() - began)
-
     # Phase 4: finish.
     def finish(self) -> RunResult:
         """The last save and evaluation, the weights, the sample and the end record."""
         cfg, step = self.cfg, self.step
-        if self.manager is not None:
-            if self.saved_step != step:
-                self.save(step)
-            self.manager.wait()
-            self.note_commits()
+        self.checkpoints.finish(step, self.state)
+        failed = self.checkpoints.error
         finished = self.exit_reason in ("train_iters", "train_samples")
         if self.evaluating and finished and (not self.val_losses or self.val_losses[-1][0] != step):
             self.validate(step)
         final_params = full_tensors(self.state.params) if self.layout.mesh is not None else self.state.params
-        if cfg.checkpoint.save_weights and self.run_dir is not None:
-            save_weights(final_params, os.path.join(self.run_dir, "model.safetensors"), {"step": str(step)})
+        if (cfg.checkpoint.save_weights or failed is not None) and self.run_dir is not None:
+            self.checkpoints.write_weights(final_params, self.run_dir, step, self.logger.echo)
         sample = (_sample_text(final_params, cfg, self.tokenizer)
                   if cfg.run.sample_tokens > 0 and self.main_rank and finished else None)
         duration = time.perf_counter() - self.started
@@ -379,15 +370,22 @@ class _Run:
         self.logger.echo(f"finished at step {step} ({self.exit_reason}) after {duration:.0f} s; logs: {self.logger.path}")
         if sample is not None:
             self.logger.echo(f"sample (temperature 0.8, top-k 40):\n{sample}")
+        if failed is not None:
+            raise failed
         return RunResult(self.run_dir, step, self.consumed, self.train_losses, self.val_losses, sample,
                          self.exit_reason)
 
     def close(self) -> None:
-        self.stop.close()
-        self.loader.close()
-        if self.manager is not None and self.manager.in_flight() is not None:
-            try:  # an error is on its way out: still finish the save that was being written
-                self.manager.wait()
-            except RuntimeError as err:
-                self.logger.echo(str(err))
-        self.logger.close()
+        """Release what setup built, as far as it got."""
+        try:
+            if self.stop is not None:
+                self.stop.close()
+            if self.loader is not None:
+                self.loader.close()
+            if self.checkpoints is not None:
+                self.checkpoints.close()
+            if self.logger is not None:
+                self.logger.close()
+        finally:
+            for lock in self.locks:
+                lock.release()

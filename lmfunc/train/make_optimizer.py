@@ -30,24 +30,42 @@ EMBEDDINGS = ("embed.*", "output")
 """Leaves exempt from weight decay when ``optim.embedding_weight_decay`` is False."""
 
 
-def build_lr_schedule(
-    cfg: TrainConfig, plan: BatchPlan, train_iters: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None
-) -> Schedule:
-    """``lr(step)`` for the run: warmup, then ``optim.lr_decay_style`` down to the minimum.
-
-    ``max_lr``/``min_lr`` replace ``optim.lr``/``optim.min_lr`` (for a decoupled group); warmup
-    still starts from ``optim.lr_warmup_init``.
-    """
+def schedule_settings(cfg: TrainConfig) -> dict[str, object]:
+    """The settings that decide the run's learning rates and weight decay, resolved (decay length
+    and warmup in iterations, or in samples for a sample-based run), keyed by their ``optim``
+    field names: Megatron's ``OptimizerParamScheduler`` state, which a resume compares."""
     optim, run = cfg.optim, cfg.run
-    if run.train_iters is not None:
+    unit = "iters" if run.train_iters is not None else "samples"
+    if unit == "iters":
         decay, warmup, wsd = optim.lr_decay_iters or run.train_iters, optim.lr_warmup_iters, optim.lr_wsd_decay_iters
     else:
         decay, warmup, wsd = optim.lr_decay_samples or run.train_samples, optim.lr_warmup_samples, optim.lr_wsd_decay_samples
     if optim.lr_warmup_fraction is not None:
         warmup = int(optim.lr_warmup_fraction * decay)
+    return {
+        "lr": optim.lr, "min_lr": optim.min_lr, "lr_warmup_init": optim.lr_warmup_init,
+        f"lr_warmup_{unit}": warmup, f"lr_decay_{unit}": decay, "lr_decay_style": optim.lr_decay_style,
+        f"lr_wsd_decay_{unit}": wsd, "lr_wsd_decay_style": optim.lr_wsd_decay_style,
+        "decoupled_lr": optim.decoupled_lr, "decoupled_min_lr": optim.decoupled_min_lr,
+        "weight_decay": optim.weight_decay,
+    }
+
+
+def build_lr_schedule(
+    cfg: TrainConfig, plan: BatchPlan, train_iters: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None
+) -> Schedule:
+    """``lr(step)`` for the run: warmup, then ``optim.lr_decay_style`` down to the minimum
+    (``schedule_settings``).
+
+    ``max_lr``/``min_lr`` replace ``optim.lr``/``optim.min_lr`` (for a decoupled group); warmup
+    still starts from ``optim.lr_warmup_init``.
+    """
+    run, settings = cfg.run, schedule_settings(cfg)
+    unit = "iters" if run.train_iters is not None else "samples"
     schedule = warmup_decay_schedule(
-        optim.lr if max_lr is None else max_lr, optim.min_lr if min_lr is None else min_lr, warmup, decay,
-        optim.lr_decay_style, optim.lr_warmup_init, wsd or 0, optim.lr_wsd_decay_style,
+        settings["lr"] if max_lr is None else max_lr, settings["min_lr"] if min_lr is None else min_lr,
+        settings[f"lr_warmup_{unit}"], settings[f"lr_decay_{unit}"], settings["lr_decay_style"],
+        settings["lr_warmup_init"], settings[f"lr_wsd_decay_{unit}"] or 0, settings["lr_wsd_decay_style"],
     )
     if run.train_iters is not None:
         return schedule
