@@ -129,9 +129,11 @@ def load_run(run_dir: str) -> tuple[ModelConfig, Params]:
     config_path, weights_path = os.path.join(run_dir, "config.yaml"), os.path.join(run_dir, "model.safetensors")
     for path in (config_path, weights_path):
         if not os.path.exists(path):
+            export = (f"; its checkpoints can give one: python -m lmfunc.export --checkpoint {run_dir} --out DIR, "
+                      "then --run DIR" if os.path.isdir(os.path.join(run_dir, "checkpoints")) else "")
             raise ConfigError(
                 f"{path} does not exist: --run must be a run directory of `python -m lmfunc.train` "
-                "that finished with checkpoint.save_weights on"
+                f"that finished with checkpoint.save_weights on, or a folder written by lmfunc.export{export}"
             )
     cfg = load_config(config_path)
     return cfg.model, load_weights(weights_path, model.param_shapes(cfg.model))
@@ -144,8 +146,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         cfg, params = load_run(args.run)
         tokenizer = ByteTokenizer()
-        tokens = generate(params, cfg, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature,
-                          args.top_k, args.top_p, args.seed)
+        prompt = tokenizer.encode(args.prompt)
+        if not prompt:
+            raise ConfigError("--prompt is empty; give the text to continue (e.g. --prompt 'The ')")
+        if len(prompt) + args.max_new_tokens > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"--prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
+                f"context of {cfg.max_position_embeddings} tokens (model.max_position_embeddings of the run); "
+                "shorten the prompt or lower --max-new-tokens"
+            )
+        tokens = generate(params, cfg, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -88,3 +88,23 @@ def memory_stats_mib(device: str | torch.device = "cpu") -> dict[str, float]:
     if torch.device(device).type == "cuda":
         stats["cuda_peak"] = torch.cuda.max_memory_allocated(device) / 2**20
     return stats
+
+
+class Throughput:
+    """Tokens per second since the last ``reset``, with paused time (evaluation) left out."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens, self.since = 0, time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def pause(self, seconds: float) -> None:
+        self.since += seconds
+
+    def rate(self) -> Optional[float]:
+        """None until a timed step has finished."""
+        return self.tokens / (time.perf_counter() - self.since) if self.tokens else None

@@ -1,9 +1,14 @@
 """The README's Python tour and the notebooks run as written."""
 
+import json
 import os
 import re
+import shlex
+import subprocess
+import sys
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,3 +28,85 @@ def test_functional_tour_notebook_executes():
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
     outputs = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
     assert "Functions" in outputs and "grad norm" in outputs
+
+
+def readme_commands() -> list[list[str]]:
+    """Every command line of the README's bash blocks, as argument lists (comments dropped, ``a && b``
+    split in two)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
+    commands = []
+    for line in "\n".join(blocks).splitlines():
+        for part in line.split("&&"):
+            words = shlex.split(part, comments=True)
+            if words:
+                commands.append(words)
+    return commands
+
+
+def train_arguments(command: list[str]) -> tuple[int, list[str]] | None:
+    """``(processes, flags)`` of a ``python -m lmfunc.train`` or ``torchrun ... -m lmfunc.train`` command."""
+    if command[:3] == ["python", "-m", "lmfunc.train"]:
+        return 1, command[3:]
+    if command[0] == "torchrun" and "lmfunc.train" in command:
+        at = command.index("lmfunc.train")
+        return int(command[command.index("--nproc-per-node") + 1]), command[at + 1:]
+    return None
+
+
+def test_every_readme_train_command_is_a_valid_config(monkeypatch):
+    """Each documented ``lmfunc.train`` command parses and validates on its number of processes
+    (the default global batch follows the data-parallel size)."""
+    from lmfunc.train.cli import parse_args
+
+    runs = [args for args in map(train_arguments, readme_commands()) if args is not None]
+    assert len(runs) >= 12 and sum(n > 1 for n, _ in runs) == 4
+    monkeypatch.chdir(ROOT)
+    for processes, flags in runs:
+        monkeypatch.setenv("WORLD_SIZE", str(processes))
+        cfg = parse_args(flags)
+        assert cfg.run.global_batch_size % cfg.run.micro_batch_size == 0
+
+
+@pytest.mark.slow
+def test_every_readme_command_runs(tmp_path):
+    """Every README command of lmfunc.train (2 steps, eager: compiling is covered by the e2e tests),
+    lmfunc.data.preprocess and lmfunc.generate runs as written, in a folder with the inputs the
+    README names (my_book.txt, corpus.jsonl, other_text_document made by the preprocess command)."""
+    from lmfunc.data.corpus import embedded_documents
+
+    docs = embedded_documents()[:40]
+    (tmp_path / "my_book.txt").write_text("\n\n".join(docs))
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    short = ["--run.train-iters", "2", "--optim.lr-warmup-iters", "1", "--run.eval-iters", "0", "--run.sample-tokens", "0", "--run.no-compile",
+             "--log.no-progress-bar", "--log.peak-flops", "1e11"]
+
+    def run(words: list[str]) -> str:
+        proc = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"{' '.join(words)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        return proc.stdout
+
+    commands = readme_commands()
+    preprocess = [c for c in commands if c[:3] == ["python", "-m", "lmfunc.data.preprocess"]]
+    assert preprocess
+    for words in preprocess:
+        run([sys.executable, *words[1:]])
+    run([sys.executable, "-m", "lmfunc.data.preprocess", "--input", "corpus.jsonl", "--output-prefix", "other"])
+    first_run = None
+    for words in commands:
+        parsed = train_arguments(words)
+        if parsed is None:
+            continue
+        processes, flags = parsed
+        launch = ([sys.executable, "-m", "lmfunc.train"] if processes == 1 else
+                  [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+                   "-m", "lmfunc.train"])
+        out = run([*launch, *flags, *short])
+        assert "finished at step 2" in out
+        first_run = first_run or re.search(r"run directory: (\S+)", out).group(1)
+    for words in commands:
+        if words[:3] == ["python", "-m", "lmfunc.generate"]:
+            args = [w.replace("runs/<run>", first_run) for w in words[3:]]
+            run([sys.executable, "-m", "lmfunc.generate", *args[:-1], "5"])

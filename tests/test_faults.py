@@ -275,3 +275,107 @@ def test_seq_length_beyond_max_position_embeddings_is_refused_under_rope(tmp_pat
     message = refused(capsys, lambda: train(tmp_path, "--model.max-position-embeddings", "32"))
     assert "data.seq_length (64) exceeds model.max_position_embeddings (32)" in message
     assert "--model.max-position-embeddings" in message
+
+
+# 9, 10, 12, 13. Data inputs.
+def _preprocess(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmfunc.data.preprocess", *args], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def _jsonl(path, n: int) -> None:
+    from lmfunc.data.corpus import embedded_documents
+
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in embedded_documents()[:n]))
+
+
+def test_an_empty_jsonl_warns_at_preprocess_and_is_refused_by_training(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    proc = _preprocess("--input", str(tmp_path / "empty.jsonl"), "--output-prefix", str(tmp_path / "out" / "e"))
+    assert proc.returncode == 0 and "warning: " in proc.stderr and "gave no tokens" in proc.stderr
+    message = refused(capsys, lambda: train(tmp_path, "--data.path", str(tmp_path / "out" / "e_text_document")))
+    assert "holds no tokens" in message and "was the input .jsonl empty?" in message
+
+
+def test_preprocess_caps_workers_and_leaves_no_partial_files(tmp_path):
+    _jsonl(tmp_path / "c.jsonl", 79)
+    proc = _preprocess("--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "c"), "--workers", "10000")
+    assert proc.returncode == 0 and "--workers 10000 capped at" in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "c_text_document.bin", "c_text_document.idx"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    proc = _preprocess("--input", str(tmp_path / "bad.jsonl"), "--output-prefix", str(tmp_path / "bad"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "--skip-bad-lines" in proc.stderr
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("bad_") or ".tmp-" in name]
+
+
+def test_preprocess_into_a_folder_that_cannot_exist_is_one_line(tmp_path):
+    _jsonl(tmp_path / "c.jsonl", 3)
+    (tmp_path / "a-file").write_text("x")
+    proc = _preprocess("--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "a-file" / "sub" / "c"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{tmp_path / 'a-file'} is a file, not a folder" in proc.stderr
+
+
+@pytest.mark.parametrize("flag, named", [("--config", "is a directory; pass a YAML file"),
+                                         ("--data.text-file", "is a directory; pass one UTF-8 text file"),
+                                         ("--run.out-dir", "is a file, not a directory")])
+def test_path_mistakes_are_one_line(tmp_path, capsys, flag, named):
+    target = tmp_path / "a-file" if flag == "--run.out-dir" else tmp_path
+    (tmp_path / "a-file").write_text("x")
+    message = refused(capsys, lambda: train(tmp_path, flag, str(target)) if flag != "--config"
+                      else train_main(["--config", str(target)]))
+    assert named in message
+
+
+def test_a_bin_larger_than_its_idx_describes_is_refused(tmp_path, capsys):
+    _jsonl(tmp_path / "c.jsonl", 20)
+    assert _preprocess("--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "c")).returncode == 0
+    prefix = tmp_path / "c_text_document"
+    with open(f"{prefix}.bin", "ab") as f:
+        f.write(b"\0" * 64)
+    message = refused(capsys, lambda: train(tmp_path, "--data.path", str(prefix)))
+    assert "its .idx describes exactly" in message and "belongs to another (larger) dataset" in message
+
+
+# 11. Skipped steps are not a silent success.
+def test_a_run_of_skipped_steps_says_so_at_the_first_step_and_at_the_end(tmp_path, capsys):
+    train(tmp_path, "--precision.compute-dtype", "fp16", "--precision.loss-scale", "1e30", "--checkpoint.no-save")
+    out = capsys.readouterr().out
+    assert "warning: step 1 overflowed in fp16 with the static loss scale 1e+30" in out
+    assert "WARNING: 4 of this run's 4 steps were skipped" in out and "--precision.loss-scale" in out
+
+
+# 14. Ctrl-C while the first step compiles.
+def test_ctrl_c_is_acknowledged_at_once_and_a_second_one_stops_in_one_line(tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    flags = [flag for flag in SMALL if flag != "--run.no-compile"]
+    proc = subprocess.Popen([sys.executable, "-m", "lmfunc.train", *flags, "--run.out-dir", str(tmp_path / "runs"),
+                             "--run.train-iters", "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("data:"):  # setup is done; the first (compiling) step starts
+            break
+    proc.send_signal(signal.SIGINT)
+    acknowledged = proc.stderr.readline() + proc.stderr.readline()
+    assert "stopping after the current step" in acknowledged and "press Ctrl-C again to stop now" in acknowledged
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: second SIGINT: stopped at once")
+
+
+# 16. Generation mistakes name the real option.
+def test_generate_messages_name_the_options(finished_run, tmp_path, capsys):
+    from lmfunc.generate import main as generate_main
+
+    message = refused(capsys, lambda: generate_main(["--run", str(finished_run), "--prompt", ""]))
+    assert "--prompt is empty" in message
+    message = refused(capsys, lambda: generate_main(["--run", str(finished_run), "--max-new-tokens", "100"]))
+    assert "exceeds the model's context of 64 tokens" in message and "--max-new-tokens" in message
+    weightless = copy_run(finished_run, tmp_path)
+    os.remove(weightless / "model.safetensors")
+    message = refused(capsys, lambda: generate_main(["--run", str(weightless)]))
+    assert f"python -m lmfunc.export --checkpoint {weightless} --out DIR" in message

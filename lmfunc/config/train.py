@@ -12,8 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
-from lmfunc.config.model import ConfigError, ModelConfig
-from lmfunc.config.parallel import ParallelConfig, check_divisibility
+from lmfunc.config.model import ModelConfig
+from lmfunc.config.parallel import ParallelConfig
+from lmfunc.config.train_checks import resolve_global_batch_size, valid_mesh, validate_train
 from lmfunc.optim.schedules import DecayStyle, WSDDecayStyle
 
 if TYPE_CHECKING:
@@ -251,7 +252,7 @@ class TrainConfig:
         """Raise ``ConfigError`` naming the fields and the fix when settings contradict (the parallel
         sizes checked against ``world_size`` processes); return the config with an unset
         ``run.global_batch_size`` resolved (``resolve_global_batch_size``)."""
-        dp = self.parallel.data_parallel_size(world_size) if _valid_mesh(self, world_size) else 1
+        dp = self.parallel.data_parallel_size(world_size) if valid_mesh(self, world_size) else 1
         cfg = self.replace(run=dataclasses.replace(self.run, global_batch_size=resolve_global_batch_size(self.run, dp)))
         validate_train(cfg, world_size)
         return cfg
@@ -260,176 +261,7 @@ class TrainConfig:
         return dataclasses.replace(self, **sections)
 
 
-def resolve_global_batch_size(run: RunConfig, data_parallel_size: int) -> int:
-    """``run.global_batch_size``, or when unset ``micro_batch_size x data_parallel_size`` (one
-    microbatch per step, Megatron's default)."""
-    if run.global_batch_size is not None:
-        return run.global_batch_size
-    return run.micro_batch_size * data_parallel_size if isinstance(run.micro_batch_size, int) else run.micro_batch_size
-
-
-def _valid_mesh(cfg: "TrainConfig", world_size: int) -> bool:
-    try:
-        cfg.parallel.data_parallel_size(world_size)
-    except ConfigError:
-        return False
-    return True
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def _positive(value: object, name: str) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-             f"{name} must be a positive integer, got {value!r}")
-
-
-def _validate_batch(run: RunConfig, dp: int) -> None:
-    _positive(run.micro_batch_size, "run.micro_batch_size")
-    _positive(run.global_batch_size, "run.global_batch_size")
-    unit = run.micro_batch_size * dp
-    _require(
-        run.global_batch_size % unit == 0,
-        f"run.global_batch_size ({run.global_batch_size}) is not divisible by run.micro_batch_size "
-        f"({run.micro_batch_size}) x data-parallel size ({dp}) = {unit}; make global_batch_size a multiple of {unit}",
-    )
-    if run.rampup_batch_size is None:
-        return
-    start, increment, samples = run.rampup_batch_size
-    _require(run.train_samples is not None,
-             "run.rampup_batch_size needs a sample-based run: set run.train_samples and run.train_iters to None")
-    _require(0 < start <= run.global_batch_size and increment > 0 and samples >= 0,
-             f"run.rampup_batch_size {run.rampup_batch_size} must be START INCREMENT SAMPLES with "
-             f"0 < START <= run.global_batch_size ({run.global_batch_size}), INCREMENT > 0, SAMPLES >= 0")
-    _require(
-        (run.global_batch_size - start) % increment == 0,
-        f"run.rampup_batch_size: global_batch_size - START ({run.global_batch_size} - {start}) is not "
-        f"divisible by INCREMENT ({increment}); pick an increment that divides it",
-    )
-    for size in range(start, run.global_batch_size + 1, increment):
-        _require(size % unit == 0,
-                 f"run.rampup_batch_size passes through a global batch of {size}, not divisible by "
-                 f"run.micro_batch_size x data-parallel size = {unit}; make START and INCREMENT multiples of {unit}")
-
-
-def _validate_length(cfg: TrainConfig) -> None:
-    run, optim = cfg.run, cfg.optim
-    _require((run.train_iters is None) != (run.train_samples is None),
-             "set exactly one of run.train_iters (iteration-based) and run.train_samples (sample-based); "
-             f"got train_iters={run.train_iters}, train_samples={run.train_samples}")
-    if run.train_iters is not None:
-        _positive(run.train_iters, "run.train_iters")
-        for name in ("lr_decay_samples", "lr_wsd_decay_samples"):
-            _require(getattr(optim, name) is None,
-                     f"optim.{name} is for sample-based runs; this run sets run.train_iters, so use "
-                     f"optim.{name.replace('samples', 'iters')}")
-        _require(optim.lr_warmup_samples == 0,
-                 "optim.lr_warmup_samples is for sample-based runs; this run sets run.train_iters, so use "
-                 "optim.lr_warmup_iters")
-        unit, total, warmup = "iters", optim.lr_decay_iters or run.train_iters, optim.lr_warmup_iters
-    else:
-        _positive(run.train_samples, "run.train_samples")
-        for name in ("lr_decay_iters", "lr_wsd_decay_iters"):
-            _require(getattr(optim, name) is None,
-                     f"optim.{name} is for iteration-based runs; this run sets run.train_samples, so use "
-                     f"optim.{name.replace('iters', 'samples')}")
-        unit, total, warmup = "samples", optim.lr_decay_samples or run.train_samples, optim.lr_warmup_samples
-        _require(optim.lr_warmup_iters == 0 or optim.lr_warmup_fraction is not None,
-                 f"optim.lr_warmup_iters ({optim.lr_warmup_iters}) is for iteration-based runs; this run sets "
-                 "run.train_samples, so set optim.lr_warmup_iters to 0 and use optim.lr_warmup_samples")
-    if optim.lr_warmup_fraction is not None:
-        _require(0.0 <= optim.lr_warmup_fraction <= 1.0,
-                 f"optim.lr_warmup_fraction must be in [0, 1], got {optim.lr_warmup_fraction}")
-        warmup = int(optim.lr_warmup_fraction * total)
-    length = "run.train_iters" if unit == "iters" else "run.train_samples"
-    _require(0 <= warmup <= total,
-             f"optim.lr_warmup_{unit} ({warmup}) is longer than the decay (optim.lr_decay_{unit} or {length} = "
-             f"{total}); shorten the warmup or train longer")
-    if optim.lr_decay_style == "WSD":
-        wsd = optim.lr_wsd_decay_iters if unit == "iters" else optim.lr_wsd_decay_samples
-        _require(wsd is not None and 0 < wsd <= total,
-                 f"optim.lr_decay_style WSD needs 0 < optim.lr_wsd_decay_{unit} <= {total}, got {wsd}")
-
-
-def _validate_precision(precision: PrecisionConfig) -> None:
-    _require(precision.compute_dtype in ("fp32", "bf16", "fp16"),
-             f"precision.compute_dtype must be fp32, bf16 or fp16, got {precision.compute_dtype!r}")
-    _require(precision.loss_scale is None or precision.loss_scale > 0,
-             f"precision.loss_scale must be positive (or unset for dynamic scaling), got {precision.loss_scale}")
-    _require(precision.initial_loss_scale > 0 and 0 < precision.min_loss_scale <= precision.initial_loss_scale,
-             f"need 0 < precision.min_loss_scale <= precision.initial_loss_scale, got "
-             f"{precision.min_loss_scale} and {precision.initial_loss_scale}")
-    _positive(precision.loss_scale_window, "precision.loss_scale_window")
-    _positive(precision.hysteresis, "precision.hysteresis")
-
-
-def _validate_checkpoint(ck: CheckpointConfig) -> None:
-    _require(ck.save_interval is None or ck.save_interval > 0,
-             f"checkpoint.save_interval must be positive (or None to save only when the run stops), got {ck.save_interval}")
-    _require(ck.keep is None or ck.keep > 0, f"checkpoint.keep must be positive (or None to keep all), got {ck.keep}")
-    _require(ck.load_step is None or ck.load_step >= 0, f"checkpoint.load_step must be >= 0, got {ck.load_step}")
-    _require(ck.load_hf is None or (ck.load is None and ck.load_step is None),
-             "checkpoint.load_hf starts from imported weights; it cannot be combined with checkpoint.load or "
-             "checkpoint.load_step")
-    _require(not ck.finetune or ck.load is not None or ck.load_step is not None,
-             "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory")
-
-
-def validate_train(cfg: TrainConfig, world_size: int = 1) -> None:
-    """Cross-field checks of a ``TrainConfig`` run on ``world_size`` processes (each section's own
-    fields are checked too)."""
-    run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
-    for name in ("pp", "cp", "ep"):
-        value = getattr(cfg.parallel, name)
-        _require(value == 1, f"parallel.{name} = {value}: {name} parallelism is not implemented in this version of "
-                             "lmfunc; set it to 1 (dp_replicate, dp_shard and tp are)")
-    _validate_batch(run, cfg.parallel.data_parallel_size(world_size))
-    _validate_length(cfg)
-    _positive(data.seq_length, "data.seq_length")
-    per_split = data.train_path is not None or data.valid_path is not None or data.test_path is not None
-    _require(not per_split or data.train_path is not None,
-             "data.valid_path/data.test_path need data.train_path too (per-split paths replace data.path + data.split)")
-    sources = [name for name, on in (("data.path", data.path is not None), ("data.train_path", per_split),
-                                     ("data.text_file", data.text_file is not None), ("data.mock", data.mock)) if on]
-    _require(len(sources) <= 1, f"{' and '.join(sources)} are both set; choose one data source")
-    table = ("the learned position table" if cfg.model.position_embedding_type == "learned_absolute"
-             else "the longest sequence the model is built for (generation's context too)")
-    _require(data.seq_length <= cfg.model.max_position_embeddings,
-             f"data.seq_length ({data.seq_length}) exceeds model.max_position_embeddings "
-             f"({cfg.model.max_position_embeddings}), {table}; raise --model.max-position-embeddings to at least "
-             f"{data.seq_length} or lower --data.seq-length (Megatron requires max_position_embeddings >= seq_length)")
-    _require(optim.lr > 0 and 0 <= optim.min_lr <= optim.lr,
-             f"need optim.lr > 0 and 0 <= optim.min_lr <= optim.lr, got lr={optim.lr}, min_lr={optim.min_lr}")
-    _require(0 <= optim.adam_beta1 < 1 and 0 <= optim.adam_beta2 < 1,
-             f"optim.adam_beta1/adam_beta2 must be in [0, 1), got {optim.adam_beta1}, {optim.adam_beta2}")
-    _require(optim.clip_grad >= 0, f"optim.clip_grad must be >= 0 (0 disables clipping), got {optim.clip_grad}")
-    _require(optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
-    _require(not (optim.override_opt_param_scheduler and optim.use_checkpoint_opt_param_scheduler),
-             "optim.override_opt_param_scheduler and optim.use_checkpoint_opt_param_scheduler exclude each other: "
-             "pick this run's schedule or the checkpoint's")
-    _positive(log.log_interval, "log.log_interval")
-    _require(log.peak_flops is None or log.peak_flops > 0, f"log.peak_flops must be positive, got {log.peak_flops}")
-    _positive(run.eval_interval, "run.eval_interval")
-    _require(run.eval_iters >= 0, f"run.eval_iters must be >= 0, got {run.eval_iters}")
-    _require(run.exit_duration_in_mins is None or run.exit_duration_in_mins > 0,
-             f"run.exit_duration_in_mins must be positive, got {run.exit_duration_in_mins}")
-    _require(run.exit_interval is None or run.exit_interval > 0,
-             f"run.exit_interval must be positive, got {run.exit_interval}")
-    _validate_checkpoint(cfg.checkpoint)
-    _require(run.sample_tokens >= 0, f"run.sample_tokens must be >= 0, got {run.sample_tokens}")
-    _validate_precision(cfg.precision)
-    if optim.decoupled_lr is not None or optim.decoupled_min_lr is not None:
-        _require(optim.decoupled_lr is not None, "optim.decoupled_min_lr needs optim.decoupled_lr")
-        low = optim.min_lr if optim.decoupled_min_lr is None else optim.decoupled_min_lr
-        _require(optim.decoupled_lr > 0 and 0 <= low <= optim.decoupled_lr,
-                 f"need optim.decoupled_lr > 0 and 0 <= decoupled_min_lr (or min_lr) <= decoupled_lr, got "
-                 f"decoupled_lr={optim.decoupled_lr}, decoupled_min_lr={optim.decoupled_min_lr}, min_lr={optim.min_lr}")
-    _require(optim.lr_mult > 0, f"optim.lr_mult must be positive, got {optim.lr_mult}")
-    sizes = cfg.parallel.sizes(world_size)
-    check_divisibility(sizes, cfg.model, data.seq_length)
-    mesh_dims = [name for name, size in sizes.items() if size > 1]
-    _require(not (run.compile and cfg.model.mtp_num_layers and len(mesh_dims) > 1),
-             f"model.mtp_num_layers > 0 on a {len(mesh_dims)}-D mesh ({' x '.join(mesh_dims)}) does not compile with "
-             "torch 2.13 (Dynamo: PendingUnbackedSymbolNotFound); use a 1-D layout or --run.no-compile")
+__all__ = [
+    "CheckpointConfig", "DataConfig", "LogConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "RunConfig",
+    "TrainConfig", "resolve_global_batch_size", "validate_train",
+]

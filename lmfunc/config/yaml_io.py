@@ -53,6 +53,10 @@ def read_yaml(path: str) -> dict:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; pass a YAML file (e.g. configs/<name>.yaml)") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read ({err.strerror})") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if data is None:

@@ -31,6 +31,10 @@ def text_file_documents(path: str) -> list[str]:
             text = f.read()
     except FileNotFoundError:
         raise ConfigError(f"data.text_file: {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"data.text_file: {path} is a directory; pass one UTF-8 text file") from None
+    except OSError as err:
+        raise ConfigError(f"data.text_file: {path} cannot be read ({err.strerror})") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"data.text_file: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     documents = [doc.strip() for doc in re.split(r"\n\s*\n", text) if doc.strip()]

@@ -187,11 +187,18 @@ class IndexedDataset:
             )
 
     def _check_bin(self, path: str) -> None:
+        """The ``.bin`` must hold exactly the bytes the ``.idx`` describes (Megatron writes them
+        back to back): fewer is a truncated file, more a ``.bin`` of another dataset."""
         self._bin_bytes = os.path.getsize(path)
+        needed = 0
         if len(self.sequence_lengths):
             needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            if self._bin_bytes < needed:
-                raise IndexedDatasetError(f"{path} holds {self._bin_bytes} bytes but its index points to {needed}: truncated?")
+        if self._bin_bytes != needed:
+            why = "truncated?" if self._bin_bytes < needed else "the .bin belongs to another (larger) dataset?"
+            raise IndexedDatasetError(
+                f"{path} holds {self._bin_bytes} bytes but its .idx describes exactly {needed} ({why}); "
+                "pair each .bin with the .idx written with it, or run preprocess again"
+            )
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

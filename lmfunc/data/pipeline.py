@@ -78,9 +78,13 @@ def _text_source(data: DataConfig, tokenizer, cache_dir: str) -> str:
 
 def _open(prefix: str) -> IndexedDataset:
     try:
-        return IndexedDataset(prefix)
+        dataset = IndexedDataset(prefix)
     except IndexedDatasetError as err:
         raise ConfigError(f"data.path: {err}") from None
+    if dataset.num_tokens == 0:
+        raise ConfigError(f"data.path: {prefix} holds no tokens ({dataset.num_documents} documents, all "
+                          "empty: was the input .jsonl empty?); preprocess a non-empty input or drop it from the blend")
+    return dataset
 
 
 def _sources(spec: str) -> tuple[list, list[float]]:

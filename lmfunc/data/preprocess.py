@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
 from typing import Iterator, Optional, Sequence
@@ -164,16 +165,73 @@ def preprocess(args: PreprocessArgs, progress: bool = True) -> dict[str, int]:
     tokenizer = load_tokenizer(args.tokenizer)
     dtype = optimal_dtype(tokenizer.vocab_size)
     prefixes = output_prefixes(args)
+    _make_output_folder(args.output_prefix)
+    workers = usable_workers(args.workers)
     tmp = {key: f"{p}.tmp-{os.getpid()}" for key, p in prefixes.items()}
-    builders = {key: [IndexedDatasetBuilder(f"{t}-part{i}.bin", dtype) for i in range(args.partitions)]
-                for key, t in tmp.items()}
-    counts = {"documents": 0, "empty_documents": 0, "bad_lines": 0}
+    builders = {key: [] for key in tmp}
+    try:
+        for key, t in tmp.items():
+            builders[key] = [IndexedDatasetBuilder(f"{t}-part{i}.bin", dtype) for i in range(args.partitions)]
+        return _convert(args, files, workers, prefixes, tmp, builders, dtype, progress)
+    except BaseException:
+        _remove_partial_files(tmp, builders)
+        raise
+
+
+def usable_workers(requested: int) -> int:
+    """``requested`` capped at the CPUs this process may run on (more only adds processes that
+    wait); the cap is printed."""
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:
+        available = os.cpu_count() or 1
+    if requested > available:
+        print(f"--workers {requested} capped at {available}: the CPUs available to this process", file=sys.stderr)
+        return available
+    return requested
+
+
+def _make_output_folder(output_prefix: str) -> None:
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    blocker = next((p for p in _parents(folder) if os.path.exists(p) and not os.path.isdir(p)), None)
+    if blocker is not None:
+        raise ConfigError(f"--output-prefix {output_prefix}: {blocker} is a file, not a folder; pick another prefix")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--output-prefix {output_prefix}: cannot write to {folder} ({err.strerror}); "
+                          "pick a writable folder") from None
+
+
+def _parents(path: str) -> list[str]:
+    """``path`` and its parents, up to the root."""
+    found = [path]
+    while os.path.dirname(found[-1]) != found[-1]:
+        found.append(os.path.dirname(found[-1]))
+    return found
+
+
+def _remove_partial_files(tmp: dict[str, str], builders: dict[str, list]) -> None:
+    """Delete everything this run wrote under its temporary names (the parts and the merged files)."""
+    for parts in builders.values():
+        for builder in parts:
+            builder.abort()
+    for t in tmp.values():
+        for path in glob.glob(glob.escape(t) + "*"):
+            os.remove(path)
+
+
+def _convert(args: PreprocessArgs, files: list[str], workers: int, prefixes: dict[str, str], tmp: dict[str, str],
+             builders: dict[str, list], dtype, progress: bool) -> dict[str, int]:
+    counts = {"documents": 0, "empty_documents": 0, "bad_lines": 0, "tokens": 0}
     jobs = ((p, n, raw, args.json_keys, args.split_sentences, args.append_eod) for p, n, raw in read_lines(files))
     total_bytes = sum(os.path.getsize(f) for f in files)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress, file=sys.stderr)
     started, done_bytes = time.perf_counter(), 0
-    pool = multiprocessing.Pool(args.workers, _init_worker, (args.tokenizer,)) if args.workers > 1 else None
-    feed = _BoundedFeed(jobs, window=1024 * args.workers)
+    pool = multiprocessing.Pool(workers, _init_worker, (args.tokenizer,)) if workers > 1 else None
+    feed = _BoundedFeed(jobs, window=1024 * workers)
     try:
         if pool is None:
             _init_worker(args.tokenizer)
@@ -193,16 +251,12 @@ def preprocess(args: PreprocessArgs, progress: bool = True) -> dict[str, int]:
                 # preprocess_data.py keeps it (document_indices repeats the previous entry).
                 counts["empty_documents"] += not sentences
                 ids = np.concatenate(sentences) if sentences else np.zeros(0, dtype=np.int32)
+                counts["tokens"] += ids.size
                 builders[key][part].add_document(ids, [len(s) for s in sentences])
             counts["documents"] += 1
             if line_index % 1000 == 0:
                 elapsed = max(time.perf_counter() - started, 1e-9)
                 bar.set_postfix(docs_s=f"{counts['documents'] / elapsed:.0f}", MB_s=f"{done_bytes / elapsed / 1e6:.1f}")
-    except BaseException:
-        for parts in builders.values():
-            for builder in parts:
-                builder.abort()
-        raise
     finally:
         feed.stop()
         bar.close()
@@ -231,10 +285,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("interrupted: the partial output files were removed", file=sys.stderr)
+        raise SystemExit(130) from None
     rate = counts["megabytes"] / max(counts["seconds"], 1e-9)
     print(f"{counts['documents']} documents ({counts['empty_documents']} empty, kept as Megatron does; "
           f"{counts['bad_lines']} bad lines skipped), {counts['megabytes']:.1f} MB in {counts['seconds']:.1f} s ({rate:.1f} MB/s) -> "
           + ", ".join(p + ".{bin,idx}" for p in output_prefixes(args).values()))
+    if counts["tokens"] == 0:
+        print(f"warning: {args.input} gave no tokens ({counts['documents']} documents, {counts['bad_lines']} bad lines): "
+              "the dataset written is empty and cannot be trained on; check the input and --json-keys", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except SaveFailed as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
+    except KeyboardInterrupt as err:
+        why = str(err) or "interrupted"
+        print(f"error: {why}; the newest complete checkpoint (if any) is kept and the run can be resumed",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         exit_without_finalizing()
 

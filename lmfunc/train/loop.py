@@ -24,7 +24,7 @@ from lmfunc.config.yaml_io import config_yaml, save_config
 from lmfunc.data.loader import PrefetchLoader
 from lmfunc.data.tokenizer import load_tokenizer, padded_vocab_size
 from lmfunc.generate import generate
-from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops, memory_stats_mib
+from lmfunc.metrics import Throughput, flops_per_token, measure_matmul_peak_flops, memory_stats_mib
 from lmfunc.parallel.mesh import Layout, build_mesh, launched_world_size
 from lmfunc.parallel.sharding import full_tensors
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype
@@ -37,6 +37,7 @@ from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.params import init_params, place_params
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
+from lmfunc.train.skipped_steps import first_step_overflow, mostly_skipped
 from lmfunc.train.state import TrainState
 from lmfunc.train.step import make_eval_step, make_train_step
 from lmfunc.tree import tree_size
@@ -53,26 +54,6 @@ class RunResult:
     val_losses: list[tuple[int, float]]
     sample: Optional[str]
     exit_reason: str
-
-
-class _Throughput:
-    """Tokens per second since the last ``reset``, with paused time (evaluation) left out."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.tokens, self.since = 0, time.perf_counter()
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
-
-    def pause(self, seconds: float) -> None:
-        self.since += seconds
-
-    def rate(self) -> Optional[float]:
-        """None until a timed step has finished."""
-        return self.tokens / (time.perf_counter() - self.since) if self.tokens else None
 
 
 def _evaluate(eval_step, params, batches: list[dict]) -> float:
@@ -174,7 +155,7 @@ class _Run:
         self.plan = BatchPlan.from_config(cfg.run, layout.data_parallel_size)
         self.train_losses: list[tuple[int, float]] = []
         self.val_losses: list[tuple[int, float]] = []
-        self.meter, self.interval_losses = _Throughput(), []
+        self.meter, self.interval_losses = Throughput(), []
         self.started = time.perf_counter()
         # Set by setup; close() releases whatever was set.
         self.locks: list[RunLock] = []
@@ -204,6 +185,9 @@ class _Run:
             if lock.taken_over:
                 self.logger.echo(lock.taken_over)
         self.logger.echo("resolved config:\n" + config_yaml(cfg).rstrip())
+        # From here on a first Ctrl-C or SIGTERM means: stop after the (first) step, with a checkpoint.
+        self.stop = StopRequests(cfg.checkpoint.exit_signal_handler,
+                                 None if run.exit_duration_in_mins is None else 60 * run.exit_duration_in_mins)
         self._set_up_throughput_and_announce()
         self._set_up_state_and_steps()
         if self.run_dir is not None:
@@ -213,8 +197,6 @@ class _Run:
         # The next batches are built on a thread while the step runs.
         self.loader = PrefetchLoader(self._train_batch, self.plan.samples_before_steps(
             max(self.train_iters - self.start_step, 0), self.consumed)[:-1])
-        self.stop = StopRequests(cfg.checkpoint.exit_signal_handler,
-                                 None if run.exit_duration_in_mins is None else 60 * run.exit_duration_in_mins)
         self.step = self.checkpoints.saved_step = self.start_step
         self.exit_reason = "train_iters" if run.train_iters is not None else "train_samples"
 
@@ -254,6 +236,7 @@ class _Run:
                                  self.paths.load_dir, self.paths.load_step, warn=self.logger.echo)
         self.state = restored.state
         self.start_step, self.consumed = int(self.state.step), int(self.state.consumed_samples)
+        self.skipped_before = int(self.state.loss_scale.skipped_steps) if self.state.loss_scale is not None else 0
         if restored.source is not None:
             what = ("weights only, fresh optimizer (finetune)" if restored.finetune
                     else f"step {self.start_step}, {self.consumed} samples consumed")
@@ -304,6 +287,8 @@ class _Run:
         if cfg.precision.check_for_nan_in_loss:
             check_for_nan_in_loss(loss, step, dist.get_rank() if dist.is_initialized() else 0,
                                   skipped=bool(metrics.get("skipped", 0.0)))
+        if step == self.start_step + 1 and metrics.get("skipped") is not None and bool(metrics["skipped"]):
+            self.logger.echo(first_step_overflow(self.cfg.precision, float(self.state.loss_scale.scale), step))
         global_batch = microbatches * run.micro_batch_size * self.layout.data_parallel_size
         self.consumed += global_batch
         self.interval_losses.append(loss)
@@ -368,6 +353,11 @@ class _Run:
         self.logger.record("end", step, consumed_samples=self.consumed, duration_s=duration,
                            exit_reason=self.exit_reason, sample=sample)
         self.logger.echo(f"finished at step {step} ({self.exit_reason}) after {duration:.0f} s; logs: {self.logger.path}")
+        if self.state.loss_scale is not None:
+            warning = mostly_skipped(self.cfg.precision, int(self.state.loss_scale.skipped_steps) - self.skipped_before,
+                                     step - self.start_step)
+            if warning is not None:
+                self.logger.echo(warning)
         if sample is not None:
             self.logger.echo(f"sample (temperature 0.8, top-k 40):\n{sample}")
         if failed is not None:

@@ -9,6 +9,7 @@ step, save one consistent checkpoint and exit.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -37,9 +38,13 @@ class StopRequests:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        name = signal.Signals(signum).name
         if self.received is not None:  # a second signal: the user insists, stop now without a checkpoint
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without saving a checkpoint")
+            raise KeyboardInterrupt(f"second {name}: stopped at once, without saving a checkpoint")
         self.received = signum
+        sys.stderr.write(f"\n{name} received: stopping after the current step, with a checkpoint (the first step "
+                         "includes compiling and can take a minute); press Ctrl-C again to stop now without saving\n")
+        sys.stderr.flush()
 
     def _local_reason(self) -> int:
         """0: go on; 1: a signal arrived; 2: the time limit passed."""
