@@ -379,3 +379,24 @@ def test_generate_messages_name_the_options(finished_run, tmp_path, capsys):
     os.remove(weightless / "model.safetensors")
     message = refused(capsys, lambda: generate_main(["--run", str(weightless)]))
     assert f"python -m lmfunc.export --checkpoint {weightless} --out DIR" in message
+
+
+def test_final_weights_go_to_a_temporary_folder_when_the_run_folder_refuses_them(tmp_path):
+    import torch
+
+    from lmfunc.checkpoint import load_weights
+    from lmfunc.config.train import CheckpointConfig, TrainConfig
+    from lmfunc.train.log import RunLogger
+    from lmfunc.train.run_checkpoints import RunCheckpoints
+
+    lines = []
+    cfg = TrainConfig().replace(checkpoint=CheckpointConfig(save=False))
+    checkpoints = RunCheckpoints(cfg, str(tmp_path / "ck"), RunLogger(None, 1))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("x")
+    params = {"w": torch.arange(6.0).reshape(2, 3)}
+    path = checkpoints.write_weights(params, str(blocked), step=7, echo=lines.append)
+    assert path != str(blocked / "model.safetensors") and os.path.exists(path)
+    assert f"cannot write {blocked / 'model.safetensors'}" in lines[0] and f"written to {path}" in lines[1]
+    assert torch.equal(load_weights(path, {"w": torch.empty(2, 3)})["w"], params["w"])
+    shutil.rmtree(os.path.dirname(path))

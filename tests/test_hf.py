@@ -110,7 +110,7 @@ def test_incompatible_models_and_configs_are_named(tmp_path, capsys):
         load_llama(str(tmp_path / "tiny"), dataclasses.replace(cfg, hidden_size=128, num_layers=3))
     with pytest.raises(SystemExit):
         export_main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")])
-    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert "holds no complete lmfunc checkpoint" in capsys.readouterr().err
 
 
 def test_orbax_export_restores_equal_arrays(trained, tmp_path):

@@ -105,7 +105,7 @@ def run_compiled(monkeypatch, cfg, choose_saved: bool):
 
     remat_original = remat.rematerialize
     monkeypatch.setattr(remat, "rematerialize", measuring)
-    monkeypatch.setattr(step_module, "compile_graph", functools.partial(compiling.compile_graph, choose_saved=choose_saved))
+    monkeypatch.setattr(step_module, "compile_step", functools.partial(compiling.compile_step, choose_saved=choose_saved))
     tx = adamw(1e-3, weight_decay=0.1)
     train_step = make_train_step(cfg, tx)
     state = TrainState.create(model.init(cfg, seed=0), tx)

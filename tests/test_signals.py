@@ -15,7 +15,7 @@ def test_first_signal_requests_a_stop_second_interrupts_and_close_restores_handl
         assert stop.should_stop() is None
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.should_stop() == "signal"
-        with pytest.raises(KeyboardInterrupt, match="second SIGINT: stopping without saving a checkpoint"):
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT: stopped at once, without saving a checkpoint"):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         stop.close()

@@ -127,7 +127,8 @@ def test_bad_settings_exit_with_a_message(tiny_yaml, capsys):
         train_main(["--config", tiny_yaml, "--data.split", "0,0,0"])
     assert "data.split '0,0,0' must be one to three non-negative weights with a positive sum" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        train_main(["--config", tiny_yaml, "--data.seq-length", "600000", "--model.position-embedding-type", "rope"])
+        train_main(["--config", tiny_yaml, "--data.seq-length", "600000", "--model.max-position-embeddings", "600000",
+                    "--model.position-embedding-type", "rope"])
     assert "data.seq_length (600000) is longer than the split's" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_main(["--config", tiny_yaml, "--data.valid-path", "x"])

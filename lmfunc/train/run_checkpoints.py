@@ -89,9 +89,10 @@ class RunCheckpoints:
         try:
             save_weights(params, path, {"step": str(step)})
             return path
-        except OSError as err:
+        except Exception as err:  # an OSError, or safetensors' own I/O error
+            reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
             fallback = os.path.join(tempfile.mkdtemp(prefix="lmfunc-weights-"), "model.safetensors")
-            echo(f"error: cannot write {path} ({err.strerror or err}); writing the final weights to {fallback}")
+            echo(f"error: cannot write {path} ({reason}); writing the final weights to {fallback}")
         save_weights(params, fallback, {"step": str(step)})
         echo(f"final weights (step {step}) written to {fallback}")
         return fallback
