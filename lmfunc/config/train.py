@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
-from lmfunc.config.model import ModelConfig
+from lmfunc.config.model import ConfigError, ModelConfig
 from lmfunc.config.parallel import ParallelConfig
-from lmfunc.config.train_checks import resolve_global_batch_size, valid_mesh, validate_train
+from lmfunc.config.train_checks import resolve_global_batch_size, validate_train
 from lmfunc.optim.schedules import DecayStyle, WSDDecayStyle
 
 if TYPE_CHECKING:
@@ -252,7 +252,10 @@ class TrainConfig:
         """Raise ``ConfigError`` naming the fields and the fix when settings contradict (the parallel
         sizes checked against ``world_size`` processes); return the config with an unset
         ``run.global_batch_size`` resolved (``resolve_global_batch_size``)."""
-        dp = self.parallel.data_parallel_size(world_size) if valid_mesh(self, world_size) else 1
+        try:
+            dp = self.parallel.data_parallel_size(world_size)
+        except ConfigError:  # a mesh that does not fit world_size: validate_train names it
+            dp = 1
         cfg = self.replace(run=dataclasses.replace(self.run, global_batch_size=resolve_global_batch_size(self.run, dp)))
         validate_train(cfg, world_size)
         return cfg

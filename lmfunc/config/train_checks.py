@@ -17,15 +17,7 @@ def resolve_global_batch_size(run: RunConfig, data_parallel_size: int) -> int:
     microbatch per step, Megatron's default)."""
     if run.global_batch_size is not None:
         return run.global_batch_size
-    return run.micro_batch_size * data_parallel_size if isinstance(run.micro_batch_size, int) else run.micro_batch_size
-
-
-def valid_mesh(cfg: "TrainConfig", world_size: int) -> bool:
-    try:
-        cfg.parallel.data_parallel_size(world_size)
-    except ConfigError:
-        return False
-    return True
+    return run.micro_batch_size * data_parallel_size
 
 
 def _require(condition: bool, message: str) -> None:
