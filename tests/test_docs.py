@@ -22,12 +22,28 @@ def test_readme_python_tour_runs():
         exec(compile(block, "README.md", "exec"), {})
 
 
-def test_functional_tour_notebook_executes():
-    path = os.path.join(ROOT, "notebooks", "01_functional_tour.ipynb")
-    notebook = nbformat.read(path, as_version=4)
+def executed_outputs(name: str) -> str:
+    """Execute ``notebooks/NAME`` from the repository root (its asserts raise) and return the text
+    its code cells printed."""
+    notebook = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
-    outputs = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
+    return "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
+
+
+def test_functional_tour_notebook_executes():
+    outputs = executed_outputs("01_functional_tour.ipynb")
     assert "Functions" in outputs and "grad norm" in outputs
+
+
+def test_sharding_notebook_executes():
+    outputs = executed_outputs("02_sharding.ipynb")
+    assert "tile the 64 x 64 parameter exactly once" in outputs and "every count equals the theory" in outputs
+
+
+@pytest.mark.slow  # about a minute: it compiles an fp16 train step
+def test_mtp_and_loss_scaling_notebook_executes():
+    outputs = executed_outputs("03_mtp_and_loss_scaling.ipynb")
+    assert "one skipped step; the scale halved" in outputs and "max |grad difference|" in outputs
 
 
 def readme_commands() -> list[list[str]]:

@@ -154,3 +154,25 @@ def test_step_without_scaler_state_is_a_clear_error(tiny_state):
     with pytest.raises(ValueError, match="loss_scale"):
         step(tiny_state(tx), lm_batch(TINY.vocab_size, 1, 2, 8))
     assert dataclasses.is_dataclass(init_loss_scale(WALK))
+
+
+def test_clipping_sees_unscaled_gradients_whatever_the_scale(tiny_state):
+    """The classic mistake, clipping the scaled gradients, would clip at clip_grad / scale. lmfunc
+    unscales first: with an active clip (norm > 0.05) and plain SGD-like updates, static scales 2^4
+    and 2^12 give the same reported norm and the same update (fp32 compute: scaling is exact)."""
+    from lmfunc.optim.transforms import scale_by_learning_rate
+
+    tx = scale_by_learning_rate(0.1)
+    batch = lm_batch(TINY.vocab_size, microbatches=2, batch=2, seq=8, seed=3)
+    results = []
+    for exponent in (4, 12):
+        scaling = LossScaleConfig(dynamic=False, initial_scale=2.0**exponent)
+        step = make_train_step(TINY, tx, clip_grad=0.05, loss_scale=scaling, compile=False)
+        new_state, metrics = step(tiny_state(tx, loss_scale=scaling), batch)
+        results.append((float(metrics["grad_norm"]), tree_flatten(new_state.params)[0]))
+    (norm_a, params_a), (norm_b, params_b) = results
+    assert norm_a > 0.05 and norm_a == pytest.approx(norm_b, rel=1e-6)
+    start = tree_flatten(tiny_state(tx).params)[0]
+    moved = sum(float((a - s).pow(2).sum()) for a, s in zip(params_a, start)) ** 0.5
+    assert moved == pytest.approx(0.1 * 0.05, rel=1e-4)  # lr x clip threshold, not lr x threshold / scale
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(params_a, params_b))

@@ -81,8 +81,9 @@ def test_sample_based_run_with_rampup_and_eager_steps(tiny_yaml, tmp_path):
     assert not os.path.exists(tmp_path / "runs" / "ramp" / "model.safetensors")
 
 
-def test_fp16_mtp_recompute_and_param_groups_from_the_command_line(tiny_yaml, tmp_path):
+def test_fp16_mtp_recompute_and_param_groups_from_the_command_line(tiny_yaml, tmp_path, capsys):
     argv = ["--config", tiny_yaml, "--run.name", "numerics", "--run.no-compile", "--precision.compute-dtype", "fp16",
+            "--log.grad-underflow-interval", "10",
             "--precision.initial-loss-scale", "65536", "--precision.loss-scale-window", "10",
             "--model.mtp-num-layers", "2", "--model.recompute-granularity", "full", "--optim.decoupled-lr", "1e-2",
             "--optim.scale-lr-patterns", "*.mlp.*", "--optim.lr-mult", "0.5", "--run.no-calculate-per-token-loss",
@@ -97,6 +98,13 @@ def test_fp16_mtp_recompute_and_param_groups_from_the_command_line(tiny_yaml, tm
     assert train[-1]["mtp_2_loss"] < train[0]["mtp_2_loss"]
     assert train[-1]["loss_scale"] >= 65536  # clean steps grow the scale every 10 steps
     assert train[-1]["skipped_steps"] < 5
+    # Every log line (every 5 steps) shows the scaler's state; underflow is measured at 1, 10, 20, 30.
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ") and "|" in line]
+    assert len(lines) == 6 and all("loss scale" in line and "skipped steps" in line for line in lines)
+    underflow = [r for r in records if r["kind"] == "underflow"]
+    assert [r["step"] for r in underflow] == [1, 10, 20, 30]
+    assert all(0 <= r["all"] <= 1 for r in underflow) and underflow[0]["loss_scale"] == 65536
+    assert {"embedding", "attention", "mlp", "norms", "all", "overflow"} <= set(underflow[0])
 
 
 def test_exit_duration_stops_early(tiny_yaml, tmp_path):

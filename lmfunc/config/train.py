@@ -190,6 +190,10 @@ class LogConfig:
     """Show a tqdm progress bar."""
     tensorboard: bool = False
     """Also write TensorBoard event files to RUN_DIR/tensorboard (needs the tensorboard package)."""
+    grad_underflow_interval: Optional[int] = None
+    """With bf16/fp16: at the first step and every this many steps, record in log.jsonl (kind
+    'underflow') the fraction of gradient elements, per parameter group, that are exactly zero in
+    the scaled low-precision gradients but not in fp32 (two extra eager passes of one microbatch)."""
     peak_flops: Optional[float] = None
     """Peak FLOP/s of one process's device for MFU (multiplied by the process count); None measures an fp32 matmul peak at start."""
 

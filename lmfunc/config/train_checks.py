@@ -154,6 +154,8 @@ def validate_train(cfg: TrainConfig, world_size: int = 1) -> None:
              "optim.override_opt_param_scheduler and optim.use_checkpoint_opt_param_scheduler exclude each other: "
              "pick this run's schedule or the checkpoint's")
     _positive(log.log_interval, "log.log_interval")
+    _require(log.grad_underflow_interval is None or log.grad_underflow_interval > 0,
+             f"log.grad_underflow_interval must be positive (or unset), got {log.grad_underflow_interval}")
     _require(log.peak_flops is None or log.peak_flops > 0, f"log.peak_flops must be positive, got {log.peak_flops}")
     _positive(run.eval_interval, "run.eval_interval")
     _require(run.eval_iters >= 0, f"run.eval_iters must be >= 0, got {run.eval_iters}")

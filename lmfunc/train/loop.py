@@ -29,6 +29,7 @@ from lmfunc.parallel.mesh import Layout, build_mesh, launched_world_size
 from lmfunc.parallel.sharding import full_tensors
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype
 from lmfunc.train.batch_plan import BatchPlan
+from lmfunc.train.grad_underflow import gradient_underflow
 from lmfunc.train.resume import RunPaths, broadcast, check_writable, prepare_run_paths, restore_state
 from lmfunc.train.run_checkpoints import RunCheckpoints
 from lmfunc.train.run_lock import RunLock
@@ -39,7 +40,7 @@ from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
 from lmfunc.train.skipped_steps import first_step_overflow, mostly_skipped
 from lmfunc.train.state import TrainState
-from lmfunc.train.step import make_eval_step, make_train_step
+from lmfunc.train.step import distributed_context, make_eval_step, make_train_step
 from lmfunc.tree import tree_size
 
 
@@ -265,6 +266,7 @@ class _Run:
         self.started = time.perf_counter()
         for step, (microbatches, batch) in enumerate(self.loader, start=self.start_step + 1):
             self.step = step
+            self._measure_underflow(step, batch)
             self.state, metrics = self.train_step(self.state, batch)
             self._after_step(step, microbatches, metrics)
             if self.evaluating and (step % run.eval_interval == 0 or step == self.train_iters):
@@ -279,6 +281,23 @@ class _Run:
                 self.exit_reason = reason
                 break
         self.logger.end_progress()
+
+    def _measure_underflow(self, step: int, batch: dict) -> None:
+        """At the first step and every ``log.grad_underflow_interval`` steps of a low-precision run:
+        the gradient-underflow fractions of the step's first microbatch at the current params and
+        loss scale (``gradient_underflow``), as an ``underflow`` record. Not counted in tokens/s."""
+        interval, precision = self.cfg.log.grad_underflow_interval, self.cfg.precision
+        if interval is None or precision.compute_dtype == "fp32":
+            return
+        if step != self.start_step + 1 and step % interval != 0:
+            return
+        began = time.perf_counter()
+        scale = float(self.state.loss_scale.scale) if self.state.loss_scale is not None else 1.0
+        with distributed_context(self.state.params):
+            fractions = gradient_underflow(self.state.params, {k: v[0] for k, v in batch.items()}, self.cfg.model,
+                                           compute_dtype(precision.compute_dtype), scale)
+        self.logger.record("underflow", step, loss_scale=scale, **fractions)
+        self.meter.pause(time.perf_counter() - began)
 
     def _after_step(self, step: int, microbatches: int, metrics: dict) -> None:
         """The NaN check, the counters, the progress bar and, at the log interval, the log record."""

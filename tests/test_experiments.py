@@ -1,0 +1,56 @@
+"""Each study's ``--quick`` mode runs end to end and checks its own invariants (the script exits
+non-zero when one fails), so the experiments cannot rot. They take one to a few minutes each."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_quick(study: str, out) -> dict:
+    """``python -m experiments.STUDY --quick --out OUT``; its summary.json."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", f"experiments.{study}", "--quick", "--out", str(out), "--threads", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "invariants hold" in done.stdout
+    return json.loads((out / "results" / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_loss_scale_study_quick(tmp_path):
+    summary = run_quick("loss_scale", tmp_path)
+    runs = summary["runs"]
+    assert runs["fp16_unscaled"]["max_underflow"] > 0 and runs["fp16_dynamic_megatron"]["skipped_steps"] > 0
+    assert summary["clip_order_example"]["shrink_factor"] > 1
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0 and (tmp_path / "loss_scale_and_underflow.png").exists()
+    # The tables and plots are redrawn from the raw results alone.
+    os.remove(tmp_path / "loss_curves.png")
+    subprocess.run([sys.executable, "-m", "experiments.loss_scale", "--quick", "--out", str(tmp_path), "--report-only"],
+                   cwd=ROOT, check=True, capture_output=True)
+    assert (tmp_path / "loss_curves.png").exists()
+
+
+@pytest.mark.slow
+def test_mtp_study_quick(tmp_path):
+    runs = run_quick("mtp", tmp_path)["runs"]
+    assert set(runs["depth2_lambda0.3"]["mtp_losses"]) == {"mtp_1_loss", "mtp_2_loss"}
+    assert (tmp_path / "mtp.png").exists()
+
+
+@pytest.mark.slow
+def test_precision_study_quick(tmp_path):
+    summary = run_quick("precision", tmp_path)
+    assert set(summary["quality"]) == {"fp32", "bf16", "fp16"} and summary["machine"]["cpu"]
+    assert (tmp_path / "precision_curves.png").exists()
+
+
+@pytest.mark.slow
+def test_invariance_study_quick(tmp_path):
+    layouts = run_quick("invariance", tmp_path)["layouts"]
+    assert len(layouts) == 6 and all(r["max_train_delta"] < 1e-4 and r["train_points"] == 12 for r in layouts.values())
+    assert (tmp_path / "invariance.png").exists()
