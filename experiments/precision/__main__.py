@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from experiments.harness import (
-    Options, Run, conclude, last, load_results, markdown_table, parse_options, pyplot, run_training, save_figure,
+    Options, Run, conclude, last, load_results, markdown_table, parse_options, pyplot, run_colors,
+    run_training, save_figure,
     series,
 )
 
@@ -80,9 +81,11 @@ def check(rows: dict, quick: bool) -> list[str]:
 def report(results: dict[str, list[dict]], rows: dict, speed_rows: dict, matmul: dict, out: Path) -> str:
     plt = pyplot()
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = run_colors(list(DTYPES))
     for name in DTYPES:
-        ax_train.plot(*series(results[name], "train", "loss"), label=name)
-        ax_val.plot(*series(results[name], "valid", "loss"), label=name, marker="o", markersize=3)
+        style = {"color": colors[name], "linewidth": 3 if name == "fp32" else 1.2}
+        ax_train.plot(*series(results[name], "train", "loss"), label=name, **style)
+        ax_val.plot(*series(results[name], "valid", "loss"), label=name, marker="o", markersize=3, **style)
     ax_train.set(xlabel="step", ylabel="train loss", title="train loss", ylim=(None, 6.5))
     ax_val.set(xlabel="step", ylabel="validation loss", title="validation loss")
     ax_train.legend()
