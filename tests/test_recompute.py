@@ -35,6 +35,7 @@ def test_recompute_gives_the_same_loss_and_grads(granularity):
     assert tree_max_abs_diff(grads, reference) < 1e-6
 
 
+@pytest.mark.slow  # about a minute of compiling
 def test_compiled_full_recompute_rematerialises_each_microbatch(monkeypatch):
     """Compiled: the remat pass copies the tagged forward ops into every microbatch's backward
     (more matmuls in the graph), and the gradients still equal the eager ones without recompute."""

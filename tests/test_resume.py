@@ -97,6 +97,7 @@ def test_sigkill_then_resume_reproduces_every_loss_bit_for_bit(workdir, referenc
     assert consumed == {step: 8 * step for step in range(1, 21)}  # the data order continues where it stopped
 
 
+@pytest.mark.slow  # about 2 minutes; tests/test_checkpoint_parallel.py covers SIGTERM on 2 ranks by default
 def test_sigterm_finishes_the_step_saves_and_exits_zero(workdir, reference):
     run_dir = workdir / "runs" / "terminated"
     began = []
@@ -146,6 +147,7 @@ def _kill_during_a_save(workdir, name: str, *flags: str) -> str | None:
     return seen[0] if os.path.isdir(save_dir / seen[0]) else None
 
 
+@pytest.mark.slow  # about 2 minutes
 def test_kill_during_a_save_keeps_the_previous_checkpoint(workdir, reference):
     flags = ("--checkpoint.save-interval", "1", "--checkpoint.keep", "2")
     for attempt in range(3):  # a save can commit between the check and the kill: then try a new run
