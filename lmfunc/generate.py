@@ -40,6 +40,8 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if generator is not None and generator.device != probs.device:  # a CPU generator: sample on the CPU
+        return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -87,8 +89,9 @@ def generate(
             f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the KV cache's "
             f"max_seq_len ({capacity}); shorten the prompt, generate fewer tokens or raise max_seq_len"
         )
-    dtype = next(iter(params["embed"].values())).dtype
-    cache = init_cache(cfg, prompt.shape[0], capacity, dtype=dtype)
+    weight = next(iter(params["embed"].values()))
+    prompt = prompt.to(weight.device)
+    cache = init_cache(cfg, prompt.shape[0], capacity, dtype=weight.dtype, device=weight.device)
     generator = torch.Generator().manual_seed(seed)
     hidden, cache = forward_cached(params, prompt, cfg, cache)
     out = [prompt]

@@ -32,6 +32,14 @@ def compute_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def set_tf32(enabled: bool) -> None:
+    """Let CUDA's fp32 matmuls and convolutions use TF32 (``precision.tf32``), or keep them IEEE fp32.
+    A process-wide torch setting; it changes nothing on the CPU."""
+    precision = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
+
+
 def cast_params(params: PyTree, dtype: torch.dtype) -> PyTree:
     """Floating-point leaves of ``params`` in ``dtype`` (a no-op for fp32); differentiable."""
     return tree_map(lambda p: p.to(dtype) if p.is_floating_point() and p.dtype != dtype else p, params)
@@ -80,13 +88,13 @@ class LossScale:
 register_dataclass(LossScale)
 
 
-def init_loss_scale(cfg: LossScaleConfig) -> LossScale:
-    """The scaler state before the first step."""
+def init_loss_scale(cfg: LossScaleConfig, device: str | torch.device = "cpu") -> LossScale:
+    """The scaler state before the first step, on ``device`` (the params' device)."""
     return LossScale(
-        scale=torch.tensor(cfg.initial_scale, dtype=torch.float32),
-        growth_tracker=torch.zeros((), dtype=torch.int64),
-        hysteresis_tracker=torch.tensor(cfg.hysteresis, dtype=torch.int64),
-        skipped_steps=torch.zeros((), dtype=torch.int64),
+        scale=torch.tensor(cfg.initial_scale, dtype=torch.float32, device=device),
+        growth_tracker=torch.zeros((), dtype=torch.int64, device=device),
+        hysteresis_tracker=torch.tensor(cfg.hysteresis, dtype=torch.int64, device=device),
+        skipped_steps=torch.zeros((), dtype=torch.int64, device=device),
     )
 
 

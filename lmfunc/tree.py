@@ -107,6 +107,15 @@ def tree_map_with_path(
     return pytree.tree_unflatten([fn(path_str(path), leaf) for path, leaf in flat], spec)
 
 
+def tree_device(tree: PyTree) -> torch.device:
+    """The device of the first tensor leaf of ``tree`` (a DTensor's local device); cpu without tensors.
+    Counters and scalars made next to a tree (optimizer counts, the loss scaler) go there."""
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
 def tree_size(tree: PyTree) -> int:
     """Total number of elements over all tensor leaves."""
     return sum(leaf.numel() for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor))

@@ -126,3 +126,17 @@ def test_every_readme_command_runs(tmp_path):
         if words[:3] == ["python", "-m", "lmfunc.generate"]:
             args = [w.replace("runs/<run>", first_run) for w in words[3:]]
             run([sys.executable, "-m", "lmfunc.generate", *args[:-1], "5"])
+
+
+def test_every_readme_plan_command_runs(capsys):
+    """Each documented ``python -m lmfunc.plan`` command prints a plan (Megatron's numbers, then
+    lmfunc's prediction or the "not trainable yet" mark)."""
+    from lmfunc.plan.__main__ import main as plan_main
+
+    commands = [c for c in readme_commands() if c[:3] == ["python", "-m", "lmfunc.plan"]]
+    assert len(commands) >= 3
+    for command in commands:
+        plan_main(command[3:])
+        out = capsys.readouterr().out
+        assert "Theoretical memory footprints" in out and "FLOPs per iteration" in out
+        assert "peak step memory" in out or "not trainable yet" in out

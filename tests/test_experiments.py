@@ -54,3 +54,12 @@ def test_invariance_study_quick(tmp_path):
     layouts = run_quick("invariance", tmp_path)["layouts"]
     assert len(layouts) == 6 and all(r["max_train_delta"] < 1e-4 and r["train_points"] == 12 for r in layouts.values())
     assert (tmp_path / "invariance.png").exists()
+
+
+@pytest.mark.slow
+def test_plan_accuracy_study_quick(tmp_path):
+    cases = run_quick("plan_accuracy", tmp_path)["cases"]
+    assert set(cases) == {"quick_none", "quick_full"}
+    assert all(abs(c["error"]) <= 0.15 for c in cases.values())
+    assert cases["quick_full"]["measured_mib"] < cases["quick_none"]["measured_mib"]
+    assert (tmp_path / "plan_accuracy.png").exists()

@@ -5,7 +5,7 @@ import pytest
 from experiments.bench.config import BenchConfig
 from experiments.bench.train_step import run_worker
 from lmfunc.config import ModelConfig
-from lmfunc.metrics import flops_per_token, mfu
+from lmfunc.plan.megatron import flops_per_token, mfu
 
 
 def test_flops_match_megatrons_worked_example():

@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 from lmfunc.config.yaml_io import load_config
 from lmfunc.generate import generate, load_run
 from lmfunc.generate import main as generate_main
-from lmfunc.metrics import flops_per_token
+from lmfunc.plan.megatron import flops_per_token
 from lmfunc.train.__main__ import main as train_main
 from lmfunc.train.cli import parse_args
 from lmfunc.train.log import read_log
@@ -174,3 +174,35 @@ def test_default_job_lowers_the_validation_loss(tmp_path):
     valid = [r["loss"] for r in records if r["kind"] == "valid"]
     assert len(valid) == 4 and valid[0] > 5.0 and valid[-1] < 2.0
     assert records[-1]["kind"] == "end" and len(records[-1]["sample"]) > 100
+
+
+def test_weights_and_biases_logs_offline(tiny_yaml, tmp_path, monkeypatch):
+    """--log.wandb-project: rank 0 writes an offline W&B run (no network) holding the train records."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[wandb]')")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    save_dir = tmp_path / "wb"
+    train_main(["--config", tiny_yaml, "--run.name", "wb", "--run.train-iters", "10", "--run.no-compile",
+                "--run.sample-tokens", "0", "--log.wandb-project", "lmfunc-test", "--log.wandb-exp-name", "tiny",
+                "--log.wandb-save-dir", str(save_dir)])
+    runs = list((save_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    data = runs[0].read_bytes()
+    last = [r for r in read_log(str(tmp_path / "runs" / "wb" / "log.jsonl")) if r["kind"] == "train"][-1]
+    assert b"train/loss" in data and json.dumps(last["loss"]).encode() in data and b"lmfunc-test" in data
+
+
+def test_wandb_without_the_package_is_a_clear_error(tiny_yaml, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["--config", tiny_yaml, "--run.name", "nowb", "--log.wandb-project", "x"])
+    assert exit_info.value.code == 2
+    assert "log.wandb_project needs the wandb package: pip install wandb" in capsys.readouterr().err

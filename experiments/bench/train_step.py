@@ -209,7 +209,8 @@ def _device_name(device) -> str:
 def main(bc: BenchConfig) -> None:
     import torch
 
-    from lmfunc.metrics import flops_per_token, measure_matmul_peak_flops
+    from lmfunc.metrics import measure_matmul_peak_flops
+    from lmfunc.plan.megatron import flops_per_token
 
     if bc.worker is not None:
         result = bench_paired.run_paired_worker(bc) if bc.worker == "paired" else run_worker(bc)

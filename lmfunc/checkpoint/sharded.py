@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lmfunc.tree import PyTree, flatten_with_paths, tree_flatten, tree_map, tree_unflatten
+from lmfunc.tree import PyTree, flatten_with_paths, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 # DCP warns on every single-process save/load (including those on its background thread) that it
 # assumes a single process; that is the intent here, so the warning is noise.
@@ -75,7 +75,13 @@ def async_save_tree(tree: PyTree, path: str, process_group: Optional[dist.Proces
         write is done. Without it the caller must not modify the tensors of ``tree`` in place until
         the future is done.
     With several ranks, ``process_group`` should be a group used by nothing else (the write runs
-    collectives)."""
+    collectives); it needs a CPU backend (gloo), which DCP's background write requires. Tensors on a
+    GPU are staged by DCP's own stager, a copy into host memory made before this returns, so a save
+    never holds a second copy of the state in GPU memory."""
+    on_accelerator = any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for leaf in tree_leaves(tree))
+    if stage and on_accelerator:
+        return dcp.async_save(to_state_dict(tree), checkpoint_id=path, process_group=process_group,
+                              no_dist=not _distributed())
     if stage:
         tree = stage_tree(tree)
     return dcp.async_save(to_state_dict(tree), checkpoint_id=path, process_group=process_group,

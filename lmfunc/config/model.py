@@ -73,6 +73,30 @@ class ModelConfig:
     recompute_granularity: Literal["none", "selective", "full"] = "none"
     """Activation recompute: 'selective' recomputes the attention core in the backward pass,
     'full' recomputes each whole transformer block (only its input is kept)."""
+    num_experts: Optional[int] = None
+    """Routed experts per MoE layer (Megatron's --num-experts). Planned by ``python -m lmfunc.plan``;
+    not trainable yet."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of each expert's MLP; None means model.ffn_hidden_size (Megatron's rule)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_layer_freq: int = 1
+    """Layer i is an MoE layer when i % moe_layer_freq == 0 (Megatron's integer form)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the shared experts' MLP (None: no shared experts)."""
+    multi_latent_attention: bool = False
+    """Multi-head latent attention (DeepSeek's MLA). Planned by ``python -m lmfunc.plan``; not
+    trainable yet."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query down-projection (None: queries are projected directly)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the compressed key/value latent."""
+    qk_head_dim: int = 128
+    """MLA: per-head query/key dimensions without RoPE."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head query/key dimensions with RoPE."""
+    v_head_dim: int = 128
+    """MLA: per-head value dimensions."""
     cross_entropy_chunk_tokens: int = 1024
     """Compute the output layer and its cross entropy this many tokens at a time, with their
     gradients, so no [tokens, vocab] logits buffer outlives its chunk (``lmfunc.loss.chunked_output``;
@@ -162,6 +186,10 @@ def validate_model(cfg: ModelConfig) -> None:
              f"model.mtp_num_layers must be an integer >= 0, got {cfg.mtp_num_layers!r}")
     _require(cfg.mtp_loss_scaling_factor >= 0,
              f"model.mtp_loss_scaling_factor must be >= 0, got {cfg.mtp_loss_scaling_factor}")
+    _require(cfg.num_experts is None or cfg.num_experts > 0, f"model.num_experts must be positive, got {cfg.num_experts}")
+    _require(cfg.moe_router_topk > 0 and (cfg.num_experts is None or cfg.moe_router_topk <= cfg.num_experts),
+             f"model.moe_router_topk ({cfg.moe_router_topk}) must be between 1 and model.num_experts ({cfg.num_experts})")
+    _require(cfg.moe_layer_freq > 0, f"model.moe_layer_freq must be positive, got {cfg.moe_layer_freq}")
     _require(
         cfg.recompute_granularity in ("none", "selective", "full"),
         f"model.recompute_granularity must be 'none', 'selective' or 'full', got {cfg.recompute_granularity!r}",

@@ -66,11 +66,14 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel size (attention heads, MLP width and vocabulary split; see model.sequence_parallel)."""
     pp: int = 1
-    """Pipeline-parallel size (not supported yet: must be 1)."""
+    """Pipeline-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
     cp: int = 1
-    """Context-parallel size (not supported yet: must be 1)."""
+    """Context-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
     ep: int = 1
-    """Expert-parallel size (no MoE yet: must be 1)."""
+    """Expert-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
+    virtual_stages: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved schedules); planned by ``python -m lmfunc.plan``,
+    not trainable yet."""
 
     def sizes(self, world_size: int) -> dict[str, int]:
         """Mesh sizes by name (``MESH_DIMS`` order) with a -1 resolved against ``world_size``."""

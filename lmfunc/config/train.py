@@ -130,6 +130,11 @@ class PrecisionConfig:
     """Clean steps before the dynamic scale doubles."""
     hysteresis: int = 2
     """Overflows tolerated before the dynamic scale halves."""
+    tf32: bool = False
+    """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores: inputs rounded to a 10-bit
+    mantissa (about 1e-3 relative error per product, fp32 range and accumulation), several times
+    faster. Only fp32 compute is affected; bf16/fp16 matmuls never use TF32. Off by default, as in
+    PyTorch."""
     check_for_nan_in_loss: bool = True
     """Stop with an error naming the step when the training loss is NaN or infinite."""
 
@@ -194,6 +199,19 @@ class LogConfig:
     """With bf16/fp16: at the first step and every this many steps, record in log.jsonl (kind
     'underflow') the fraction of gradient elements, per parameter group, that are exactly zero in
     the scaled low-precision gradients but not in fp32 (two extra eager passes of one microbatch)."""
+    wandb_project: Optional[str] = None
+    """Also log to Weights & Biases under this project (needs the wandb package: pip install -e
+    '.[wandb]'). Offline unless WANDB_MODE says otherwise, so machines without internet work; sync
+    later with `wandb sync`. Only rank 0 logs."""
+    wandb_exp_name: Optional[str] = None
+    """The W&B run name; None uses the run directory's name."""
+    wandb_save_dir: Optional[str] = None
+    """Where W&B writes its files; None means RUN_DIR/wandb."""
+    timers: int = 1
+    """Per-phase timers at each log interval (log.jsonl kind 'timers', the console, TensorBoard), as
+    max/min over ranks with the slowest rank (Megatron's --timing-log-level): 0 off; 1 data wait,
+    step, evaluation, checkpoint save (blocking part) and logging; 2 also the step's host and
+    device parts."""
     peak_flops: Optional[float] = None
     """Peak FLOP/s of one process's device for MFU (multiplied by the process count); None measures an fp32 matmul peak at start."""
 
@@ -228,6 +246,9 @@ class RunConfig:
     """Directory that holds one sub-directory per run."""
     name: Optional[str] = None
     """Run directory name inside out_dir; None uses a timestamp."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where params, optimizer state, batches and the step run: 'cuda' (GPU LOCAL_RANK of a torchrun
+    launch, NCCL between processes), 'cpu' (gloo), or 'auto' (cuda when a GPU is visible)."""
     compile: bool = True
     """Compile the train and eval steps with torch.compile."""
     sample_prompt: str = "The "
@@ -252,16 +273,17 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def validate(self, world_size: int = 1) -> "TrainConfig":
+    def validate(self, world_size: int = 1, planning: bool = False) -> "TrainConfig":
         """Raise ``ConfigError`` naming the fields and the fix when settings contradict (the parallel
         sizes checked against ``world_size`` processes); return the config with an unset
-        ``run.global_batch_size`` resolved (``resolve_global_batch_size``)."""
+        ``run.global_batch_size`` resolved (``resolve_global_batch_size``). ``planning`` also accepts
+        layouts and models only ``lmfunc.plan`` handles (pp, cp, ep, MoE, MLA)."""
         try:
             dp = self.parallel.data_parallel_size(world_size)
         except ConfigError:  # a mesh that does not fit world_size: validate_train names it
             dp = 1
         cfg = self.replace(run=dataclasses.replace(self.run, global_batch_size=resolve_global_batch_size(self.run, dp)))
-        validate_train(cfg, world_size)
+        validate_train(cfg, world_size, planning)
         return cfg
 
     def replace(self, **sections: object) -> "TrainConfig":

@@ -121,14 +121,29 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
              "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory")
 
 
-def validate_train(cfg: TrainConfig, world_size: int = 1) -> None:
+def untrainable_features(cfg: TrainConfig) -> list[str]:
+    """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet, each named
+    with its value (empty when the run is trainable)."""
+    p, m = cfg.parallel, cfg.model
+    found = [f"parallel.{name} = {getattr(p, name)}" for name in ("pp", "cp", "ep") if getattr(p, name) != 1]
+    if p.virtual_stages is not None:
+        found.append(f"parallel.virtual_stages = {p.virtual_stages}")
+    if m.num_experts is not None:
+        found.append(f"model.num_experts = {m.num_experts} (MoE)")
+    if m.multi_latent_attention:
+        found.append("model.multi_latent_attention (MLA)")
+    return found
+
+
+def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False) -> None:
     """Cross-field checks of a ``TrainConfig`` run on ``world_size`` processes (each section's own
-    fields are checked too)."""
+    fields are checked too). ``planning`` accepts what only ``lmfunc.plan`` handles
+    (``untrainable_features``)."""
     run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
-    for name in ("pp", "cp", "ep"):
-        value = getattr(cfg.parallel, name)
-        _require(value == 1, f"parallel.{name} = {value}: {name} parallelism is not implemented in this version of "
-                             "lmfunc; set it to 1 (dp_replicate, dp_shard and tp are)")
+    if not planning:
+        missing = untrainable_features(cfg)
+        _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
+                              "lmfunc.plan plans such runs); dp_replicate, dp_shard and tp are")
     _validate_batch(run, cfg.parallel.data_parallel_size(world_size))
     _validate_length(cfg)
     _positive(data.seq_length, "data.seq_length")
@@ -156,6 +171,7 @@ def validate_train(cfg: TrainConfig, world_size: int = 1) -> None:
     _positive(log.log_interval, "log.log_interval")
     _require(log.grad_underflow_interval is None or log.grad_underflow_interval > 0,
              f"log.grad_underflow_interval must be positive (or unset), got {log.grad_underflow_interval}")
+    _require(log.timers in (0, 1, 2), f"log.timers must be 0, 1 or 2, got {log.timers}")
     _require(log.peak_flops is None or log.peak_flops > 0, f"log.peak_flops must be positive, got {log.peak_flops}")
     _positive(run.eval_interval, "run.eval_interval")
     _require(run.eval_iters >= 0, f"run.eval_iters must be >= 0, got {run.eval_iters}")

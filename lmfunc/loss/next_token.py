@@ -119,7 +119,7 @@ def lm_loss(
     tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch.get("loss_mask")
     grad_hint = mtp_grad_scale
     if grad_hint is not None and not calculate_per_token_loss:
-        count = loss_mask.to(torch.float32).sum() if loss_mask is not None else torch.tensor(float(labels.numel()))
+        count = loss_mask.to(torch.float32).sum() if loss_mask is not None else torch.tensor(float(labels.numel()), device=labels.device)
         grad_hint = grad_hint / torch.clamp(count, min=1.0)
     positions, doc_ids = batch.get("position_ids"), batch.get("doc_ids")
     hidden = model.forward(params, tokens, cfg, positions=positions, doc_ids=doc_ids, dropout_seed=dropout_seed)

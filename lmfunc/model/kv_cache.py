@@ -39,7 +39,7 @@ def init_cache(
             str(i): {"k": torch.zeros(shape, dtype=dtype, device=device), "v": torch.zeros(shape, dtype=dtype, device=device)}
             for i in range(cfg.num_layers)
         },
-        "length": torch.zeros((), dtype=torch.int64),
+        "length": torch.zeros((), dtype=torch.int64, device=device),
     }
 
 
@@ -75,4 +75,4 @@ def forward_cached(params: Params, tokens: torch.Tensor, cfg: ModelConfig, cache
         x = x + layers.mlp(p["mlp"], layers.norm(p["mlp_norm"], x, cfg), cfg)
         new_layers[str(i)] = {"k": keys, "v": values}
     hidden = layers.norm(params["final_norm"], x, cfg)
-    return hidden, {"layers": new_layers, "length": torch.tensor(end, dtype=torch.int64)}
+    return hidden, {"layers": new_layers, "length": torch.tensor(end, dtype=torch.int64, device=tokens.device)}

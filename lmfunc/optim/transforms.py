@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from lmfunc.tree import PyTree, tree_leaves, tree_map, tree_unflatten_as
+from lmfunc.tree import PyTree, tree_device, tree_leaves, tree_map, tree_unflatten_as
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 Mask = Union[PyTree, Callable[[PyTree], PyTree]]
@@ -41,8 +41,9 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor
 
 
-def _count() -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64)
+def _count(params: PyTree) -> torch.Tensor:
+    """An update counter on the device of ``params``."""
+    return torch.zeros((), dtype=torch.int64, device=tree_device(params))
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -74,7 +75,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def init(params: PyTree) -> ScaleByAdamState:
         zeros = lambda p: torch.zeros_like(p, dtype=torch.float32)  # noqa: E731
-        return ScaleByAdamState(_count(), tree_map(zeros, params), tree_map(zeros, params))
+        return ScaleByAdamState(_count(params), tree_map(zeros, params), tree_map(zeros, params))
 
     def update(updates: PyTree, state: ScaleByAdamState, params: Optional[PyTree] = None):
         grads = tree_leaves(updates)
@@ -159,7 +160,7 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
     """Multiply updates by ``schedule(count)``, where count is the number of updates so far."""
 
     def init(params: PyTree) -> ScaleByScheduleState:
-        return ScaleByScheduleState(_count())
+        return ScaleByScheduleState(_count(params))
 
     def update(updates: PyTree, state: ScaleByScheduleState, params: Optional[PyTree] = None):
         factor = schedule(state.count).to(torch.float32)

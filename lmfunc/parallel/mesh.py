@@ -24,6 +24,28 @@ __all__ = [
 
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device of this process for ``run.device``: 'auto' is cuda when a GPU is visible, else cpu;
+    on cuda, GPU ``LOCAL_RANK`` of a torchrun launch (made the current device)."""
+    from lmfunc.config.model import ConfigError
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"run.device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "run.device is 'cuda' but no CUDA device is visible (torch.cuda.is_available() is False; this torch "
+            f"build: {torch.__version__}, CUDA {torch.version.cuda}); install a CUDA build of torch, check "
+            "CUDA_VISIBLE_DEVICES, or use --run.device cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                          "launch at most one process per GPU (torchrun --nproc-per-node)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def backend_for(device: torch.device) -> str:
     """gloo on CPU, nccl on CUDA."""
     return "nccl" if device.type == "cuda" else "gloo"
@@ -31,10 +53,11 @@ def backend_for(device: torch.device) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The resolved mesh sizes of a run and its mesh (None on a single process)."""
+    """The resolved mesh sizes of a run, its mesh (None on a single process) and this process's device."""
 
     sizes: dict
     mesh: Optional[DeviceMesh]
+    device: torch.device = torch.device("cpu")
 
     @property
     def data_parallel_size(self) -> int:
@@ -56,18 +79,19 @@ def build_mesh(sizes: dict[str, int], device: str | torch.device = "cpu") -> Lay
     """Create the process group (from torchrun's environment) and the named mesh of ``sizes``.
 
     With every size 1 and no launcher, no process group is created and ``Layout.mesh`` is None.
+    The process group's backend is NCCL on cuda and gloo on cpu (``backend_for``).
     """
     world = launched_world_size()
     resolved = resolve_sizes({name: sizes.get(name, 1) for name in MESH_DIMS}, world)
     used = [(name, size) for name, size in resolved.items() if size > 1]
-    if not used:
-        return Layout(resolved, None)
     device = torch.device(device)
+    if not used:
+        return Layout(resolved, None, device)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device))
     _per_rank_compile_cache(dist.get_rank())
     mesh = init_device_mesh(device.type, tuple(size for _, size in used), mesh_dim_names=tuple(name for name, _ in used))
-    return Layout(resolved, mesh)
+    return Layout(resolved, mesh, device)
 
 
 def _per_rank_compile_cache(rank: int) -> None:

@@ -29,21 +29,39 @@ TP_RULES: Rules = (("heads", ("tp",)), ("kv_heads", ("tp",)), ("mlp", ("tp",)), 
 DEFAULT_RULES: Rules = TP_RULES + FSDP_RULES
 
 
-def placements_for(axes: Sequence[str], mesh: DeviceMesh, rules: Rules = DEFAULT_RULES) -> list[Placement]:
-    """Storage placements of a leaf with logical ``axes`` on ``mesh`` (one per mesh dim)."""
-    names = tuple(mesh.mesh_dim_names)
-    placements: list[Placement] = [Replicate()] * len(names)
+def shard_axes(axes: Sequence[str], mesh_dim_names: Sequence[str], rules: Rules = DEFAULT_RULES) -> list[Optional[int]]:
+    """For each mesh dim, the axis of a leaf with logical ``axes`` that it is sharded along (None:
+    replicated): the rules, in order, each claiming the first matching axis not yet sharded."""
+    names = tuple(mesh_dim_names)
+    sharded: list[Optional[int]] = [None] * len(names)
     used_axes: set[int] = set()
     for logical, mesh_dims in rules:
         for mesh_dim in mesh_dims:
-            if mesh_dim not in names or not isinstance(placements[names.index(mesh_dim)], Replicate):
+            if mesh_dim not in names or sharded[names.index(mesh_dim)] is not None:
                 continue
             for i, axis in enumerate(axes):
                 if axis == logical and i not in used_axes:
-                    placements[names.index(mesh_dim)] = Shard(i)
+                    sharded[names.index(mesh_dim)] = i
                     used_axes.add(i)
                     break
-    return placements
+    return sharded
+
+
+def placements_for(axes: Sequence[str], mesh: DeviceMesh, rules: Rules = DEFAULT_RULES) -> list[Placement]:
+    """Storage placements of a leaf with logical ``axes`` on ``mesh`` (one per mesh dim)."""
+    return [Replicate() if i is None else Shard(i) for i in shard_axes(axes, mesh.mesh_dim_names, rules)]
+
+
+def local_shape(shape: Sequence[int], axes: Sequence[str], sizes: dict[str, int],
+                rules: Rules = DEFAULT_RULES) -> tuple[int, ...]:
+    """Shape of the largest shard of a leaf of ``shape`` and logical ``axes`` on a mesh of ``sizes``
+    (mesh dim name -> size): a sharded axis is split into ceil-sized pieces, as DTensor splits it."""
+    local = list(shape)
+    names = [name for name, size in sizes.items() if size > 1]
+    for name, axis in zip(names, shard_axes(axes, names, rules)):
+        if axis is not None:
+            local[axis] = -(-local[axis] // sizes[name])
+    return tuple(local)
 
 
 def shard_params(params: PyTree, axes: PyTree, mesh: DeviceMesh, rules: Rules = DEFAULT_RULES) -> PyTree:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
 from typing import Optional, Sequence
 
-import tyro
-
+from lmfunc.config.command_line import parse_config
 from lmfunc.config.model import MODEL_PRESETS
 from lmfunc.config.train import TrainConfig
-from lmfunc.config.yaml_io import load_config
 from lmfunc.parallel.mesh import launched_world_size
 
 DESCRIPTION = f"""Train a GPT model with lmfunc.
@@ -24,11 +20,5 @@ flag the run trains on the embedded corpus (Python's reference topics, shipped w
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     """The validated ``TrainConfig`` for command-line arguments ``argv`` (default ``sys.argv[1:]``)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=None)
-    pre.add_argument("--preset", default=None)
-    known, rest = pre.parse_known_args(args)
-    base = load_config(known.config, known.preset)
-    cfg = tyro.cli(TrainConfig, default=base, args=rest, description=DESCRIPTION, prog="python -m lmfunc.train")
+    cfg, _ = parse_config(argv, "python -m lmfunc.train", DESCRIPTION)
     return cfg.validate(launched_world_size())

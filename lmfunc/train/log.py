@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,22 +25,52 @@ def _tensorboard_writer_class():
     return SummaryWriter
 
 
+def _wandb_module():
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            "log.wandb_project needs the wandb package: pip install wandb (or pip install -e '.[wandb]'), "
+            "or drop --log.wandb-project"
+        ) from None
+    return wandb
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSettings:
+    """Weights & Biases logging (Megatron's --wandb-project, --wandb-exp-name, --wandb-save-dir)."""
+
+    project: str
+    name: Optional[str] = None
+    save_dir: Optional[str] = None
+    config: Optional[dict] = None
+    """The run's resolved config, stored with the W&B run."""
+
+
 class RunLogger:
     """Writes records to ``RUN_DIR/log.jsonl`` (one JSON object per line with ``kind`` and ``step``),
-    mirrors numeric fields to TensorBoard as ``<kind>/<field>``, and owns the terminal output.
+    mirrors numeric fields to TensorBoard and Weights & Biases as ``<kind>/<field>``, and owns the
+    terminal output.
 
-    The files are opened at the first record, so a run refused during setup writes nothing."""
+    The files are opened at the first record, so a run refused during setup writes nothing. W&B
+    runs offline unless ``WANDB_MODE`` is set (``online`` to upload as the run goes)."""
 
-    def __init__(self, run_dir: Optional[str], total_steps: int, progress_bar: bool = True, tensorboard: bool = False):
+    def __init__(self, run_dir: Optional[str], total_steps: int, progress_bar: bool = True, tensorboard: bool = False,
+                 wandb: Optional[WandbSettings] = None):
         """``run_dir`` None makes a silent logger (the other ranks of a multi-process run)."""
         self.enabled = run_dir is not None
         self.path = os.path.join(run_dir, "log.jsonl") if run_dir is not None else ""
         self._bar: Optional[tqdm] = None
-        self._tb, self._file = None, None
+        self._tb, self._file, self._wandb_run = None, None, None
         if not self.enabled:
             return
         self._tb_dir = os.path.join(run_dir, "tensorboard")
         self._tb_class = _tensorboard_writer_class() if tensorboard else None
+        self._wandb = wandb
+        if wandb is not None:
+            self._wandb_module = _wandb_module()
+            self._wandb_dir = wandb.save_dir or os.path.join(run_dir, "wandb")
+            self._wandb_name = wandb.name or os.path.basename(os.path.normpath(run_dir))
         if progress_bar:
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr)
 
@@ -72,12 +103,21 @@ class RunLogger:
         if self._file is None:
             self._file = open(self.path, "a")
             self._tb = self._tb_class(self._tb_dir) if self._tb_class is not None else None
+            self._wandb_run = self._start_wandb() if self._wandb is not None else None
         self._file.write(json.dumps(entry) + "\n")
         self._file.flush()
+        scalars = {f"{kind}/{key}": value for key, value in values.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb_run is not None and scalars:
+            self._wandb_run.log(scalars, step=step)
+
+    def _start_wandb(self):
+        os.makedirs(self._wandb_dir, exist_ok=True)
+        return self._wandb_module.init(project=self._wandb.project, name=self._wandb_name, dir=self._wandb_dir,
+                                       config=self._wandb.config, mode=os.environ.get("WANDB_MODE", "offline"))
 
     def close(self) -> None:
         self.end_progress()
@@ -85,6 +125,8 @@ class RunLogger:
             return
         if self._tb is not None:
             self._tb.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
         if self._file is not None:
             self._file.close()
 

@@ -20,21 +20,24 @@ from lmfunc import model
 from lmfunc.checkpoint.locate import CONFIG_FILE
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
-from lmfunc.config.yaml_io import config_yaml, save_config
+from lmfunc.config.yaml_io import config_to_dict, config_yaml, save_config
 from lmfunc.data.loader import PrefetchLoader
 from lmfunc.data.tokenizer import load_tokenizer, padded_vocab_size
 from lmfunc.generate import generate
-from lmfunc.metrics import Throughput, flops_per_token, measure_matmul_peak_flops, memory_stats_mib
-from lmfunc.parallel.mesh import Layout, build_mesh, launched_world_size
+from lmfunc.metrics import Throughput, memory_stats_mib, peak_flops
+from lmfunc.plan.report import format_plan, make_plan
+from lmfunc.parallel.mesh import Layout, build_mesh, launched_world_size, resolve_device
 from lmfunc.parallel.sharding import full_tensors
-from lmfunc.precision import check_for_nan_in_loss, compute_dtype
+from lmfunc.precision import check_for_nan_in_loss, compute_dtype, set_tf32
 from lmfunc.train.batch_plan import BatchPlan
 from lmfunc.train.grad_underflow import gradient_underflow
 from lmfunc.train.resume import RunPaths, broadcast, check_writable, prepare_run_paths, restore_state
 from lmfunc.train.run_checkpoints import RunCheckpoints
 from lmfunc.train.run_lock import RunLock
-from lmfunc.train.log import RunLogger
+from lmfunc.train.log import RunLogger, WandbSettings
 from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
+from lmfunc.train.memory_watch import MemoryWatch
+from lmfunc.train.timers import PhaseTimers, format_timers
 from lmfunc.train.params import init_params, place_params
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
@@ -95,7 +98,9 @@ def train(cfg: TrainConfig) -> RunResult:
             f"set model.vocab_size to at least {tokenizer.vocab_size} ({padded_vocab_size(tokenizer.vocab_size)} is "
             "the Megatron-padded size)"
         )
-    layout = build_mesh(cfg.parallel.sizes(world_size))
+    device = resolve_device(cfg.run.device)
+    set_tf32(cfg.precision.tf32)
+    layout = build_mesh(cfg.parallel.sizes(world_size), device)
     if layout.mesh is None:
         return _train(cfg, tokenizer, layout)
     try:
@@ -130,8 +135,9 @@ def _initial_params(cfg: TrainConfig, layout: Layout, resuming: bool):
     if cfg.checkpoint.load_hf is not None and not resuming:
         from lmfunc.checkpoint.hf import load_llama
 
-        return place_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, layout.mesh)
-    return init_params(cfg.model, layout.mesh, seed=cfg.run.seed)
+        return place_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, layout.mesh,
+                            device=layout.device)
+    return init_params(cfg.model, layout.mesh, seed=cfg.run.seed, device=layout.device)
 
 
 def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
@@ -157,6 +163,7 @@ class _Run:
         self.train_losses: list[tuple[int, float]] = []
         self.val_losses: list[tuple[int, float]] = []
         self.meter, self.interval_losses = Throughput(), []
+        self.timers = PhaseTimers(cfg.log.timers)
         self.started = time.perf_counter()
         # Set by setup; close() releases whatever was set.
         self.locks: list[RunLock] = []
@@ -181,14 +188,17 @@ class _Run:
         self.paths, self.locks = _run_paths(cfg, self.main_rank)
         self.cfg = cfg = self.paths.cfg
         self.run_dir = self.paths.run_dir if self.main_rank else None
-        self.logger = RunLogger(self.run_dir, self.train_iters, cfg.log.progress_bar, cfg.log.tensorboard)
+        wandb = (WandbSettings(cfg.log.wandb_project, cfg.log.wandb_exp_name, cfg.log.wandb_save_dir, config_to_dict(cfg))
+                 if cfg.log.wandb_project else None)
+        self.logger = RunLogger(self.run_dir, self.train_iters, cfg.log.progress_bar, cfg.log.tensorboard, wandb)
         for lock in self.locks:
             if lock.taken_over:
                 self.logger.echo(lock.taken_over)
         self.logger.echo("resolved config:\n" + config_yaml(cfg).rstrip())
         # From here on a first Ctrl-C or SIGTERM means: stop after the (first) step, with a checkpoint.
         self.stop = StopRequests(cfg.checkpoint.exit_signal_handler,
-                                 None if run.exit_duration_in_mins is None else 60 * run.exit_duration_in_mins)
+                                 None if run.exit_duration_in_mins is None else 60 * run.exit_duration_in_mins,
+                                 self.layout.device)
         self._set_up_throughput_and_announce()
         self._set_up_state_and_steps()
         if self.run_dir is not None:
@@ -204,8 +214,12 @@ class _Run:
     def _set_up_throughput_and_announce(self) -> None:
         cfg, layout, seq = self.cfg, self.layout, self.cfg.data.seq_length
         processes = dist.get_world_size() if dist.is_initialized() else 1
-        self.peak_flops = (cfg.log.peak_flops or measure_matmul_peak_flops()) * processes
-        self.flops_token = flops_per_token(cfg.model, seq)
+        plan = make_plan(cfg, processes)
+        self.logger.echo(format_plan(plan))
+        self.memory_watch = MemoryWatch(plan, layout.device)
+        peak, peak_source = peak_flops(layout.device, cfg.precision.compute_dtype, cfg.precision.tf32, cfg.log.peak_flops)
+        self.peak_flops = peak * processes
+        self.flops_token = plan.flops_per_token
         data = cfg.data
         source = data.path or data.train_path or data.text_file or ("mock" if data.mock else "embedded corpus")
         valid = len(self.valid_data) if self.valid_data else 0
@@ -219,14 +233,14 @@ class _Run:
             + (f", ramp-up {cfg.run.rampup_batch_size}" if cfg.run.rampup_batch_size else "") + "); model"
             f" {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
             f"{self.flops_token / 1e6:.2f} MFLOP/token; MFU peak {self.peak_flops / 1e9:.1f} GFLOP/s "
-            f"({'configured' if cfg.log.peak_flops else 'measured fp32 matmul'}"
-            + (f", x {processes} processes" if processes > 1 else "") + ")"
+            f"({peak_source}" + (f", x {processes} processes" if processes > 1 else "") + f"); device {layout.device}"
         )
 
     def _set_up_state_and_steps(self) -> None:
         cfg, run, plan, iters = self.cfg, self.cfg.run, self.plan, self.train_iters
-        schedule = build_lr_schedule(cfg, plan, iters)
-        decoupled = (build_lr_schedule(cfg, plan, iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr)
+        device = self.layout.device
+        schedule = build_lr_schedule(cfg, plan, iters, device=device)
+        decoupled = (build_lr_schedule(cfg, plan, iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr, device)
                      if cfg.optim.decoupled_lr is not None else None)
         params = _initial_params(cfg, self.layout, resuming=self.paths.load_step is not None)
         tx = build_optimizer(cfg, schedule, params, decoupled)
@@ -264,15 +278,28 @@ class _Run:
         if self.evaluating and self.start_step == 0:
             self.validate(0)
         self.started = time.perf_counter()
-        for step, (microbatches, batch) in enumerate(self.loader, start=self.start_step + 1):
+        timers, batches = self.timers, iter(self.loader)
+        for step in range(self.start_step + 1, self.train_iters + 1):
+            with timers.phase("data"):
+                item = next(batches, None)
+            if item is None:
+                break
+            microbatches, batch = item
             self.step = step
             self._measure_underflow(step, batch)
+            began = time.perf_counter()
             self.state, metrics = self.train_step(self.state, batch)
-            self._after_step(step, microbatches, metrics)
+            dispatched = time.perf_counter()
+            loss = float(metrics["loss"])  # waits for the device's results
+            timers.add("step_host", dispatched - began)
+            timers.add("step_device", time.perf_counter() - dispatched)
+            timers.add("step", time.perf_counter() - began)
+            self._after_step(step, microbatches, metrics, loss)
             if self.evaluating and (step % run.eval_interval == 0 or step == self.train_iters):
                 self.validate(step)
             began = time.perf_counter()
-            self.checkpoints.after_step(step, self.state)
+            with timers.phase("save"):
+                self.checkpoints.after_step(step, self.state)
             self.meter.pause(time.perf_counter() - began)
             reason = "save_failed" if self.checkpoints.stop_requested else self.stop.should_stop()
             if reason is None and run.exit_interval is not None and step % run.exit_interval == 0:
@@ -299,10 +326,9 @@ class _Run:
         self.logger.record("underflow", step, loss_scale=scale, **fractions)
         self.meter.pause(time.perf_counter() - began)
 
-    def _after_step(self, step: int, microbatches: int, metrics: dict) -> None:
+    def _after_step(self, step: int, microbatches: int, metrics: dict, loss: float) -> None:
         """The NaN check, the counters, the progress bar and, at the log interval, the log record."""
         run, cfg = self.cfg.run, self.cfg
-        loss = float(metrics["loss"])
         if cfg.precision.check_for_nan_in_loss:
             check_for_nan_in_loss(loss, step, dist.get_rank() if dist.is_initialized() else 0,
                                   skipped=bool(metrics.get("skipped", 0.0)))
@@ -314,17 +340,20 @@ class _Run:
         if step == self.start_step + 1:
             self.logger.echo(f"step {step} took {time.perf_counter() - self.started:.1f} s"
                              + (" (compiling the train step included)" if run.compile else ""))
+            self.memory_watch.report(self.logger, step, "first step")
             self.meter.reset()
         else:
             self.meter.add(global_batch * cfg.data.seq_length)
         tokens_per_s = self.meter.rate()
         self.logger.progress(step, loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}", tok_s=f"{tokens_per_s or 0:.0f}")
         if step % cfg.log.log_interval == 0:
-            self._log_interval(step, global_batch, metrics, tokens_per_s)
+            with self.timers.phase("log"):
+                self._log_interval(step, global_batch, metrics, tokens_per_s)
+            self._report_timers(step)
 
     def _log_interval(self, step: int, global_batch: int, metrics: dict, tokens_per_s: Optional[float]) -> None:
         mean_loss = sum(self.interval_losses) / len(self.interval_losses)
-        memory = memory_stats_mib()
+        memory = memory_stats_mib(self.layout.device)
         mfu = tokens_per_s * self.flops_token / self.peak_flops if tokens_per_s else None
         extra = _step_extras(metrics, self.state)
         grad_norm, lr = float(metrics["grad_norm"]), float(metrics["lr"])
@@ -337,14 +366,25 @@ class _Run:
             f"step {step:>6d}/{self.train_iters} | loss {mean_loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.3e} | "
             + "".join(f"{k.replace('_', ' ')} {v:.4g} | " for k, v in extra.items())
             + (f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "tok/s - | MFU -")
-            + f" | mem {memory['peak_rss']:.0f} MiB peak RSS"
+            + (f" | mem {memory['cuda_peak_allocated']:.0f} MiB CUDA peak" if "cuda_peak_allocated" in memory
+               else f" | mem {memory['peak_rss']:.0f} MiB peak RSS")
         )
         self.train_losses.append((step, mean_loss))
         self.interval_losses = []
         self.meter.reset()
 
+    def _report_timers(self, step: int) -> None:
+        report = self.timers.report()
+        if report:
+            self.logger.record("timers", step, **report)
+            self.logger.echo(format_timers(report, dist.get_world_size() if dist.is_initialized() else 1))
+
     # Phase 3: evaluation and checkpoints (called from the loop and at the end).
     def validate(self, step: int) -> None:
+        with self.timers.phase("eval"):
+            self._validate(step)
+
+    def _validate(self, step: int) -> None:
         began = time.perf_counter()
         val_loss = _evaluate(self.eval_step, self.state.params, self.eval_batches)
         self.val_losses.append((step, val_loss))
@@ -369,6 +409,7 @@ class _Run:
         sample = (_sample_text(final_params, cfg, self.tokenizer)
                   if cfg.run.sample_tokens > 0 and self.main_rank and finished else None)
         duration = time.perf_counter() - self.started
+        self.memory_watch.report(self.logger, step, "end")
         self.logger.record("end", step, consumed_samples=self.consumed, duration_s=duration,
                            exit_reason=self.exit_reason, sample=sample)
         self.logger.echo(f"finished at step {step} ({self.exit_reason}) after {duration:.0f} s; logs: {self.logger.path}")

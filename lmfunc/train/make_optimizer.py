@@ -52,10 +52,12 @@ def schedule_settings(cfg: TrainConfig) -> dict[str, object]:
 
 
 def build_lr_schedule(
-    cfg: TrainConfig, plan: BatchPlan, train_iters: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None
+    cfg: TrainConfig, plan: BatchPlan, train_iters: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None,
+    device: str | torch.device = "cpu",
 ) -> Schedule:
     """``lr(step)`` for the run: warmup, then ``optim.lr_decay_style`` down to the minimum
-    (``schedule_settings``).
+    (``schedule_settings``); sample-based runs look the step up in a table on ``device`` (the step
+    counter's).
 
     ``max_lr``/``min_lr`` replace ``optim.lr``/``optim.min_lr`` (for a decoupled group); warmup
     still starts from ``optim.lr_warmup_init``.
@@ -69,11 +71,12 @@ def build_lr_schedule(
     )
     if run.train_iters is not None:
         return schedule
-    samples_before = torch.tensor(plan.samples_before_steps(train_iters), dtype=torch.int64)
+    samples_before = torch.tensor(plan.samples_before_steps(train_iters), dtype=torch.int64, device=device)
     last = len(samples_before) - 1
 
     def schedule_over_samples(step: torch.Tensor) -> torch.Tensor:
-        return schedule(samples_before[torch.clamp(torch.as_tensor(step), 0, last)])
+        index = torch.clamp(torch.as_tensor(step, device=samples_before.device), 0, last)
+        return schedule(torch.take(samples_before, index))  # a tensor lookup: no host sync on a GPU
 
     return schedule_over_samples
 

@@ -12,18 +12,22 @@ from lmfunc import model
 from lmfunc.config import ModelConfig
 from lmfunc.model import gpt
 from lmfunc.parallel.sharding import DEFAULT_RULES, Rules, init_sharded, shard_params
-from lmfunc.tree import PyTree
+from lmfunc.tree import PyTree, tree_map
 
 
 def init_params(cfg: ModelConfig, mesh: Optional[DeviceMesh], seed: int = 0, dtype: torch.dtype = torch.float32,
-                rules: Rules = DEFAULT_RULES) -> PyTree:
-    """``model.init(cfg, seed)``, as DTensors placed by ``rules`` when ``mesh`` is given (equal to
-    sharding the full tree; no rank holds more than one full leaf at once)."""
+                rules: Rules = DEFAULT_RULES, device: str | torch.device = "cpu") -> PyTree:
+    """``model.init(cfg, seed)`` on ``device``, or as DTensors placed by ``rules`` on ``mesh`` (its
+    device; equal to sharding the full tree; no rank holds more than one full leaf at once). The
+    values do not depend on the device: each leaf is drawn on the CPU from its own generator."""
     if mesh is None:
-        return model.init(cfg, seed=seed, dtype=dtype)
+        return tree_map(lambda leaf: leaf.to(device), model.init(cfg, seed=seed, dtype=dtype))
     return init_sharded(gpt.param_specs(cfg), lambda path, spec: gpt.init_leaf(spec, path, cfg, seed, dtype), mesh, rules)
 
 
-def place_params(params: PyTree, cfg: ModelConfig, mesh: Optional[DeviceMesh], rules: Rules = DEFAULT_RULES) -> PyTree:
-    """Full ``params`` of ``cfg`` placed on ``mesh`` by ``rules`` (unchanged without a mesh)."""
-    return shard_params(params, model.param_axes(cfg), mesh, rules) if mesh is not None else params
+def place_params(params: PyTree, cfg: ModelConfig, mesh: Optional[DeviceMesh], rules: Rules = DEFAULT_RULES,
+                 device: str | torch.device = "cpu") -> PyTree:
+    """Full ``params`` of ``cfg`` placed on ``mesh`` by ``rules`` (moved to ``device`` without a mesh)."""
+    if mesh is None:
+        return tree_map(lambda leaf: leaf.to(device), params)
+    return shard_params(params, model.param_axes(cfg), mesh, rules)

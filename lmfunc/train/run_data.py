@@ -46,6 +46,7 @@ def global_batch_part(dataset, start: int, microbatches: int, cfg: TrainConfig, 
     d = cfg.data
     batch = lm_batch(samples, tokenizer.eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss,
                      getattr(tokenizer, "pad", None))
+    batch = {k: v.to(layout.device) for k, v in batch.items()}
     return local_batch_to_dtensor(batch, layout.mesh) if layout.mesh is not None else batch
 
 

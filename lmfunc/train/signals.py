@@ -26,10 +26,15 @@ class StopRequests:
     first signal asks for a clean stop; a second one raises ``KeyboardInterrupt`` at once.
 
     ``time_limit_s``: stop once this many seconds have passed since construction.
+    ``device``: where the per-step stop flags are all-reduced: the default process group's device
+    (cuda under NCCL, which cannot reduce CPU tensors; cpu under gloo). The flags ride the training
+    group on purpose: one tiny collective per step, in step order, with no second group to set up.
     """
 
-    def __init__(self, install: bool = True, time_limit_s: Optional[float] = None):
+    def __init__(self, install: bool = True, time_limit_s: Optional[float] = None,
+                 device: str | torch.device = "cpu"):
         self.received: Optional[int] = None
+        self.device = torch.device(device)
         self.time_limit_s = time_limit_s
         self._started = time.perf_counter()
         self._previous: dict[int, object] = {}
@@ -59,7 +64,7 @@ class StopRequests:
         (a collective on a process group: every rank calls it after every step)."""
         reason = self._local_reason()
         if dist.is_available() and dist.is_initialized():
-            flags = torch.tensor([reason == 1, reason == 2], dtype=torch.int32)
+            flags = torch.tensor([reason == 1, reason == 2], dtype=torch.int32, device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             reason = 1 if flags[0] else 2 if flags[1] else 0
         return {0: None, 1: "signal", 2: "exit_duration_in_mins"}[reason]

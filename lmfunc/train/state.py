@@ -10,7 +10,7 @@ from torch.utils._pytree import register_dataclass
 
 from lmfunc.optim import GradientTransformation
 from lmfunc.precision import LossScaleConfig, init_loss_scale
-from lmfunc.tree import PyTree
+from lmfunc.tree import PyTree, tree_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +35,16 @@ class TrainState:
         cls, params: PyTree, tx: GradientTransformation, seed: int = 0, loss_scale: Optional[LossScaleConfig] = None
     ) -> "TrainState":
         """A fresh state at step 0 with ``tx.init(params)`` as the optimizer state (and the
-        initial loss-scaler state when ``loss_scale`` is given)."""
-        zero = torch.zeros((), dtype=torch.int64)
+        initial loss-scaler state when ``loss_scale`` is given); counters on the params' device."""
+        device = tree_device(params)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
         return cls(
             params=params,
             opt_state=tx.init(params),
             step=zero.clone(),
             consumed_samples=zero.clone(),
-            rng=torch.tensor(seed, dtype=torch.int64),
-            loss_scale=init_loss_scale(loss_scale) if loss_scale is not None else None,
+            rng=torch.tensor(seed, dtype=torch.int64, device=device),
+            loss_scale=init_loss_scale(loss_scale, device) if loss_scale is not None else None,
         )
 
     def replace(self, **changes: Any) -> "TrainState":

@@ -1,0 +1,51 @@
+"""``python -m lmfunc.plan``: the memory and FLOPs plan of a run, before running it.
+
+Takes the same ``--config``, ``--preset`` and flags as ``python -m lmfunc.train``, plus
+``--world-size N`` (default: the product of the parallel sizes, or torchrun's WORLD_SIZE).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Optional, Sequence
+
+from lmfunc.config.model import ConfigError
+
+DESCRIPTION = """Print the plan of a training run: Megatron-LM's theoretical parameters, memory and FLOPs
+(exactly as Megatron computes them), and lmfunc's own per-rank memory prediction. Accepts every
+setting of `python -m lmfunc.train`, including layouts lmfunc cannot train yet (pp, cp, ep, MoE,
+MLA), which are planned with Megatron's formulas and marked "not trainable yet"."""
+
+
+def _world_size(cfg, given: Optional[int]) -> int:
+    from lmfunc.parallel.mesh import launched_world_size
+
+    if given is not None:
+        return given
+    p = cfg.parallel
+    sizes = [p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp]
+    if -1 in sizes:
+        return launched_world_size()
+    return math.prod(sizes)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    from lmfunc.plan.report import format_plan, make_plan
+    from lmfunc.config.command_line import parse_config
+
+    try:
+        cfg, known = parse_config(argv, "python -m lmfunc.plan", DESCRIPTION, extra=[
+            ("--world-size", dict(type=int, default=None))])
+        world_size = _world_size(cfg, known.world_size)
+        if world_size < 1:
+            raise ConfigError(f"--world-size must be positive, got {world_size}")
+        cfg = cfg.validate(world_size, planning=True)
+        print(format_plan(make_plan(cfg, world_size)))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

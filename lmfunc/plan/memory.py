@@ -1,0 +1,148 @@
+"""lmfunc's own memory prediction for one rank of a run, from its actual design.
+
+What one rank holds during the compiled train step (``lmfunc.train.step``):
+
+- **state**: fp32 master parameters and the two fp32 Adam moments of its shards (storage placements:
+  FSDP over ``dp_shard``, Megatron's tensor split over ``tp``); the state is donated, so the update
+  writes into it and no second copy exists;
+- **gradients**: fp32, the same shards, accumulated over the microbatches;
+- **compute copies**: with bf16/fp16 compute, the parameters cast once per step; under FSDP the
+  parameters in their compute layout (gathered over ``dp_shard``), which the backward reads again;
+- **activations** of one microbatch: the values each layer keeps for its backward pass
+  (``KEPT_PER_TOKEN``), the embedding, final norm and output layer's working set, and one chunk
+  of logits (``model.cross_entropy_chunk_tokens``; all logits without chunking).
+
+The peak is the state plus the compute copies plus the larger of the forward-backward working set
+(activations, the output layer, the gradients made so far) and the optimizer phase (all gradients).
+The per-token coefficients count the tensors the compiled step keeps on CPU (fp32 and bf16, every
+recompute granularity), measured with the allocator profiler; ``experiments/plan_accuracy``
+checks the prediction against measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from lmfunc.config.model import ModelConfig
+from lmfunc.config.train import TrainConfig
+from lmfunc.model import gpt
+from lmfunc.parallel.sharding import local_shape
+from lmfunc.tree import flatten_with_paths
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class LayerValues:
+    """Values kept per token by one transformer layer for its backward pass, split by what they scale
+    with: ``hidden`` (h), ``query`` (heads x head dim), ``kv`` (kv heads x head dim), ``ffn`` (the
+    MLP width), ``heads``, and fp32 ``stats`` (norm and softmax statistics)."""
+
+    hidden: float
+    query: float
+    kv: float
+    ffn: float
+    heads: float
+    stats: float
+
+    def per_token_bytes(self, cfg: ModelConfig, tp: int, sequence_parallel: bool, compute_bytes: int) -> float:
+        """Bytes per token of one layer on one tensor-parallel rank: the split dimensions divided by
+        ``tp``, the hidden-size values too with sequence parallelism."""
+        hidden_split = tp if sequence_parallel else 1
+        values = (self.hidden * cfg.hidden_size / hidden_split
+                  + (self.query * cfg.num_attention_heads * cfg.head_dim + self.kv * cfg.query_groups * cfg.head_dim
+                     + self.ffn * cfg.ffn_size) / tp)
+        return values * compute_bytes + (self.heads * cfg.num_attention_heads / tp + self.stats) * 4
+
+
+KEPT_PER_TOKEN = {
+    # Both norm outputs, queries and the attention output, keys and values, the SwiGLU gate, up
+    # projection and product (GeLU: its input and output); the attention log-sum-exp per head; two
+    # norm statistics.
+    "none": LayerValues(hidden=2, query=2, kv=2, ffn=3, heads=1, stats=2),
+    # The compiled step's attention-core recompute keeps what "none" keeps and four more hidden-size
+    # values per layer (the core's inputs are saved again for its recomputation).
+    "selective": LayerValues(hidden=6, query=2, kv=2, ffn=3, heads=1, stats=2),
+    # The compiled step's full recompute drops the MLP's values but keeps the attention side's.
+    "full": LayerValues(hidden=2, query=2, kv=2, ffn=1, heads=1, stats=2),
+}
+"""Per-layer values kept per token by the compiled step, by ``model.recompute_granularity`` (SwiGLU
+counts; GeLU keeps one ffn-sized value fewer)."""
+
+HEAD_VALUES_PER_TOKEN = 7
+"""fp32 hidden-size values per token outside the layers while the output layer runs: the embedding
+output, the final norm's input and output, the output layer's input gradient and the
+residual-stream gradients."""
+
+RECOMPUTED_LAYERS_GRADS = 2
+"""With full recompute the peak falls inside the layers' backward pass: it holds one layer's
+recomputed MLP values and the gradients of about two layers (those being made and the last made)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Predicted bytes on the most-loaded rank of a layout (``predict_memory``)."""
+
+    sizes: dict[str, int]
+    params: int
+    """Parameter elements in this rank's shards."""
+    state: int
+    grads: int
+    compute_copies: int
+    activations: int
+    """Kept by the layers for one microbatch."""
+    head: int
+    """Embedding, final norm, output layer and one logits chunk, for one microbatch."""
+    peak: int
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("fp32 params + Adam moments (donated state)", self.state), ("fp32 gradients", self.grads),
+                ("compute copies of the params", self.compute_copies),
+                ("activations kept by the layers (1 microbatch)", self.activations),
+                ("embedding, output layer and logits chunk", self.head), ("peak step memory", self.peak)]
+
+
+def local_params(cfg: ModelConfig, sizes: dict[str, int], data_parallel_sharded: bool = True, prefix: str = "") -> int:
+    """Parameter elements on the most-loaded rank of a mesh of ``sizes``: storage shards, or with
+    ``data_parallel_sharded=False`` the compute layout (FSDP shards gathered); only leaves whose
+    dotted name starts with ``prefix`` (e.g. 'layers.0.')."""
+    if not data_parallel_sharded:
+        sizes = {name: (1 if name in ("dp_shard", "dp_replicate") else size) for name, size in sizes.items()}
+    return sum(math.prod(local_shape(spec.shape, spec.axes, sizes))
+               for path, spec in flatten_with_paths(gpt.param_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
+               if path.startswith(prefix))
+
+
+def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
+    """lmfunc's peak step memory on the most-loaded rank of the mesh ``sizes`` (mesh dim -> size):
+    the state and compute copies plus the largest of three phases: the output layer's (the layers'
+    kept values and the head's working set), inside the layers' backward (with full recompute: the
+    kept values, one recomputed MLP and about two layers' gradients) and the optimizer's (all
+    gradients)."""
+    m = cfg.model
+    tp = sizes.get("tp", 1)
+    compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
+    params = local_params(m, sizes)
+    state, grads = 12 * params, 4 * params
+    gathered = local_params(m, sizes, data_parallel_sharded=False)
+    low_precision = compute_bytes < 4
+    compute_copies = (compute_bytes * gathered if low_precision or gathered != params else 0)
+    tokens = cfg.run.micro_batch_size * cfg.data.seq_length
+    sequence_parallel = m.sequence_parallel and tp > 1
+    layers = m.num_layers + m.mtp_num_layers
+    kept = KEPT_PER_TOKEN[m.recompute_granularity]
+    if m.activation != "swiglu":
+        kept = dataclasses.replace(kept, ffn=max(kept.ffn - 1, 0))
+    activations = int(layers * tokens * kept.per_token_bytes(m, tp, sequence_parallel, compute_bytes))
+    chunk = tokens if m.cross_entropy_chunk_tokens == 0 else min(tokens, m.cross_entropy_chunk_tokens)
+    head = int(4 * tokens * m.hidden_size * HEAD_VALUES_PER_TOKEN + 4 * chunk * m.vocab_size / tp)
+    phases = [activations + head, grads]
+    if m.recompute_granularity == "full":
+        layer_grads = 4 * local_params(m, sizes, prefix="layers.0.")
+        recomputed_mlp = tokens * compute_bytes * (3 if m.activation == "swiglu" else 2) * m.ffn_size / tp
+        phases.append(int(activations + recomputed_mlp + RECOMPUTED_LAYERS_GRADS * layer_grads))
+    peak = state + compute_copies + max(phases)
+    return MemoryPlan(sizes=dict(sizes), params=params, state=state, grads=grads, compute_copies=compute_copies,
+                      activations=activations, head=head, peak=peak)

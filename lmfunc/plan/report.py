@@ -1,0 +1,77 @@
+"""The plan of a run: Megatron's theoretical numbers and lmfunc's prediction, and their printout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lmfunc.config.train import TrainConfig
+from lmfunc.config.train_checks import untrainable_features
+from lmfunc.plan.megatron import MB, MegatronArgs, MegatronReport, megatron_report
+from lmfunc.plan.memory import MemoryPlan, predict_memory
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``python -m lmfunc.plan`` prints and the trainer logs at start-up."""
+
+    world_size: int
+    sizes: dict[str, int]
+    megatron: MegatronReport
+    lmfunc: Optional[MemoryPlan]
+    """None when the run is not trainable yet (``untrainable``)."""
+    untrainable: list[str]
+
+    @property
+    def flops_per_token(self) -> float:
+        """Megatron's FLOPs per trained token (forward and backward), the MFU numerator."""
+        a = self.megatron.args
+        return self.megatron.flops_per_iteration / (a.global_batch_size * a.seq_length)
+
+
+def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
+    """The plan of ``cfg`` (validated, ``run.global_batch_size`` resolved) on ``world_size`` processes."""
+    sizes = cfg.parallel.sizes(world_size)
+    untrainable = untrainable_features(cfg)
+    return Plan(world_size=world_size, sizes=sizes, megatron=megatron_report(MegatronArgs.from_config(cfg, world_size)),
+                lmfunc=None if untrainable else predict_memory(cfg, sizes), untrainable=untrainable)
+
+
+def _bytes(value: float) -> str:
+    return f"{value:,.0f} B ({value / MB:.4f} MB)"
+
+
+def _count(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The printout: Megatron's section (its MB are MiB, printed as Megatron prints them), then lmfunc's."""
+    meg, a = plan.megatron, plan.megatron.args
+    c = meg.counts
+    layout = " x ".join(f"{name} {size}" for name, size in plan.sizes.items() if size > 1) or "1 process"
+    formula = "SP with selective recompute" if meg.sp_formula else "without SP (the one that applies unless SP + selective)"
+    lines = [
+        f"plan for {plan.world_size} process(es), layout {layout}; micro batch {a.micro_batch_size} x seq "
+        f"{a.seq_length}, global batch {a.global_batch_size} ({a.num_microbatches} microbatches per data-parallel rank)",
+        "Megatron-LM's theoretical numbers (theoretical_memory_usage.py, num_floating_point_operations):",
+        f"  parameters: total {_count(c.total)} (transformer block {_count(c.transformer_block)}, MTP block "
+        f"{_count(c.mtp_block)}, embeddings {_count(c.embedding)}); active {_count(c.active)}; most-loaded shard "
+        f"{_count(c.most_loaded_shard)}" + (f"; other pipeline shards {_count(c.other_shards)}"
+                                          if c.other_shards is not None else ""),
+        f"  weight and optimizer: {_bytes(meg.weight_and_optimizer)} (18 B/param); with the distributed optimizer "
+        f"over dp {a.data_parallel_size}: {_bytes(meg.weight_and_optimizer_distributed)}",
+        f"  activations, {formula}: {_bytes(meg.activations)}",
+        f"    (without-SP formula {_bytes(meg.activations_without_sp)}; SP formula {_bytes(meg.activations_sp)})",
+        f"  {meg.footprint_line()}",
+        f"  FLOPs per iteration: {meg.flops_per_iteration:,.0f} ({plan.flops_per_token:,.0f} per token)",
+    ]
+    if plan.lmfunc is None:
+        lines.append(f"lmfunc: not trainable yet ({'; '.join(plan.untrainable)}); planned with Megatron's formulas above")
+        return "\n".join(lines)
+    mem = plan.lmfunc
+    lines.append(f"lmfunc's prediction for the most-loaded rank ({_count(mem.params)} parameter elements in its shards):")
+    lines += [f"  {name:<48s} {value / MiB:10.2f} MiB" for name, value in mem.rows()]
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""``lmfunc.plan``: Megatron's theoretical numbers to the byte and FLOP, lmfunc's per-rank prediction,
+and ``python -m lmfunc.plan``."""
+
+import dataclasses
+
+import pytest
+
+from lmfunc.config import ConfigError, ModelConfig
+from lmfunc.config.parallel import ParallelConfig
+from lmfunc.config.train import DataConfig, RunConfig, TrainConfig
+from lmfunc.parallel.sharding import local_shape
+from lmfunc.plan import format_plan, make_plan
+from lmfunc.plan.__main__ import main as plan_main
+from lmfunc.plan.memory import local_params, predict_memory
+
+# megatron.md section 7: preset "tiny" (L=2, h=64, a=4, LayerNorm, GeLU, tied, V=384, s=128, b=2, B=8).
+WORKED = TrainConfig(
+    model=ModelConfig(vocab_size=384, hidden_size=64, num_layers=2, num_attention_heads=4, normalization="LayerNorm",
+                      activation="gelu", max_position_embeddings=128),
+    data=DataConfig(seq_length=128), run=RunConfig(micro_batch_size=2, global_batch_size=8),
+)
+WORKED_FLAGS = ["--model.vocab-size", "384", "--model.hidden-size", "64", "--model.num-layers", "2",
+                "--model.num-attention-heads", "4", "--model.normalization", "LayerNorm", "--model.activation", "gelu",
+                "--model.max-position-embeddings", "128", "--data.seq-length", "128", "--run.micro-batch-size", "2",
+                "--run.global-batch-size", "8"]
+
+
+def plan_of(cfg: TrainConfig, world_size: int = 1):
+    return make_plan(cfg.validate(world_size, planning=True), world_size)
+
+
+def test_megatrons_worked_example_to_the_byte_and_flop():
+    meg = plan_of(WORKED).megatron
+    assert meg.counts.total == 123_520
+    assert meg.counts.most_loaded_shard == 123_520
+    assert meg.weight_and_optimizer == 2_223_360
+    assert not meg.sp_formula
+    assert meg.activations == meg.activations_without_sp == pytest.approx(1_430_016, abs=1e-6)
+    assert meg.activations_sp == 1_591_296
+    assert meg.flops_per_iteration == 855_638_016
+    assert meg.footprint_line() == ("Theoretical memory footprints: weight and optimizer=2.12 MB, "
+                                    "activation=1.36 MB, total=3.48 MB")
+
+
+def test_the_cli_prints_megatrons_numbers(capsys):
+    plan_main(WORKED_FLAGS)
+    out = capsys.readouterr().out
+    for text in ("total 123,520", "2,223,360 B", "1,430,016 B", "1,591,296 B", "855,638,016 (835,584 per token)",
+                 "weight and optimizer=2.12 MB, activation=1.36 MB, total=3.48 MB", "peak step memory"):
+        assert text in out
+
+
+def test_tensor_parallel_shard_and_the_distributed_optimizer():
+    """tp 2 x dp_shard 2: the tp-split part (attention, MLP, embedding) halves, norms stay whole;
+    the distributed optimizer's 6 + 12/dp bytes per parameter."""
+    cfg = WORKED.replace(parallel=ParallelConfig(tp=2, dp_shard=2))
+    meg = plan_of(cfg, 4).megatron
+    assert meg.counts.tp_sharded_on_most_loaded == (2 * (16_384 + 32_768) + 24_576) / 2
+    assert meg.counts.most_loaded_shard == 61_440 + 2 * 256 + 128
+    assert meg.weight_and_optimizer == 62_080 * 18
+    assert meg.weight_and_optimizer_distributed == 62_080 * (6 + 12 / 2)
+
+
+def test_pipeline_parallel_is_planned_not_trained():
+    """pp 2, 4 microbatches: half the layers plus the embedding on the first stage; the activations
+    lose the output-layer term; marked not trainable."""
+    cfg = WORKED.replace(parallel=ParallelConfig(pp=2), run=RunConfig(micro_batch_size=2, global_batch_size=8))
+    plan = plan_of(cfg, 2)
+    meg = plan.megatron
+    assert meg.counts.most_loaded_shard == 2 * 49_152 / 2 + 24_576 + (2 * 256 + 128) / 2
+    assert meg.counts.other_shards == 2 * 49_152 / 2 + (2 * 256 + 128) / 2
+    assert meg.activations == pytest.approx(1.05 * (557_056 * 2 + 8 * 128 * 2 * 2 + 128 * 2 * 64 * 2))
+    assert plan.lmfunc is None and plan.untrainable == ["parallel.pp = 2"]
+    assert "not trainable yet (parallel.pp = 2)" in format_plan(plan)
+    with pytest.raises(ConfigError, match=r"parallel\.pp = 2: not implemented .*lmfunc\.plan"):
+        cfg.validate(2)
+
+
+def test_moe_counts_and_flops():
+    """4 experts of width 128, top-2 (hand-computed from Megatron's formulas): the routed MLP costs
+    what the dense width-256 MLP costs per token, so the FLOPs equal the worked example's."""
+    cfg = WORKED.replace(model=dataclasses.replace(WORKED.model, num_experts=4, moe_ffn_hidden_size=128,
+                                                   moe_router_topk=2))
+    meg = plan_of(cfg).megatron
+    moe_layer = 16_384 + 2 * 64 * 128 * 4 + 256 + 64 * 4
+    assert meg.counts.total == 2 * moe_layer + 128 + 24_576
+    assert meg.counts.active == 2 * (16_384 + 2 * 64 * 128 * 2 + 256 + 64 * 4) + 128 + 24_576
+    assert meg.flops_per_iteration == 855_638_016
+    with pytest.raises(ConfigError, match=r"model\.num_experts = 4 \(MoE\)"):
+        cfg.validate(1)
+
+
+def test_mla_counts():
+    cfg = WORKED.replace(model=dataclasses.replace(WORKED.model, multi_latent_attention=True, kv_lora_rank=32,
+                                                   qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16))
+    meg = plan_of(cfg).megatron
+    attention = 64 * 4 * (16 + 8) + 32 * (64 + 4 * (16 + 16) + 2) + 64 * 8 + 4 * 16 * 64
+    assert meg.counts.total == 2 * (attention + 32_768 + 256) + 128 + 24_576
+    core = 6 * (4 * (16 + 8) / 2 + 4 * 16 / 2)
+    linear = 6 * (64 * 4 * (16 + 8) + 32 * (64 + 4 * (16 + 16) + 1) + 64 * 8 + 4 * 16 * 64)
+    assert meg.flops_per_iteration == 1024 * (393_216 + 2 * linear + 147_456) + 8 * 128**2 * 2 * core
+
+
+def test_local_shapes_follow_the_sharding_rules():
+    assert local_shape((384, 64), ("vocab", "embed"), {"tp": 2, "dp_shard": 2}) == (192, 32)
+    assert local_shape((64,), ("embed",), {"tp": 2}) == (64,)
+    assert local_shape((63, 5), ("embed", "mlp"), {"dp_shard": 2}) == (32, 5)  # DTensor's ceil split
+    model = WORKED.model
+    assert local_params(model, {"dp_shard": 1}) == 123_520
+    assert local_params(model, {"dp_shard": 2}) == 123_520 / 2
+    assert local_params(model, {"dp_shard": 2}, data_parallel_sharded=False) == 123_520
+
+
+def test_lmfunc_prediction_by_layout_precision_and_recompute():
+    base = WORKED.validate(1)
+    single = predict_memory(base, {"dp_shard": 1})
+    assert single.state == 12 * 123_520 and single.grads == 4 * 123_520 and single.compute_copies == 0
+    fsdp = predict_memory(base, {"dp_shard": 2})
+    assert fsdp.state == single.state / 2 and fsdp.compute_copies == 4 * 123_520  # gathered for compute
+    bf16 = predict_memory(base.replace(precision=dataclasses.replace(base.precision, compute_dtype="bf16")),
+                          {"dp_shard": 1})
+    assert bf16.compute_copies == 2 * 123_520 and bf16.activations < single.activations
+    full = predict_memory(base.replace(model=dataclasses.replace(base.model, recompute_granularity="full")),
+                          {"dp_shard": 1})
+    assert full.activations < single.activations
+    tp = predict_memory(base.replace(parallel=ParallelConfig(tp=2)), {"tp": 2})
+    assert tp.activations < single.activations and tp.params < single.params
+
+
+def test_cli_errors_are_clear(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(WORKED_FLAGS + ["--parallel.tp", "2", "--world-size", "3"])
+    assert exit_info.value.code == 2
+    assert "do not multiply to the world size 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_main(WORKED_FLAGS + ["--world-size", "0"])
+    assert "--world-size must be positive" in capsys.readouterr().err
