@@ -89,11 +89,16 @@ def run_training(run: Run, config: Path, options: Options, timeout: float = 3600
     """Train ``run`` (``python -m lmfunc.train --config CONFIG FLAGS``) into OUT/runs/NAME, copy its
     ``log.jsonl`` to OUT/results/NAME.jsonl and return ``{"name", "seconds", "records"}``.
 
-    A failed run raises ``RuntimeError`` with the end of its output (kept in OUT/runs/NAME.out).
+    A failed run raises ``RuntimeError`` with the end of its output (kept in OUT/runs/NAME.out). An
+    earlier run of the same name is replaced; a folder there that no run wrote is refused, never
+    deleted (``--out`` may point at a folder of the user's).
     """
     runs_dir = options.out / "runs"
     run_dir = runs_dir / run.name
     if run_dir.exists():
+        if not (runs_dir / f"{run.name}.out").exists() and not (run_dir / "config.yaml").exists():
+            raise SystemExit(f"{run_dir} exists but is not a training run of this study (no {run.name}.out beside "
+                             "it, no config.yaml in it); move it away or choose another --out. Nothing was deleted.")
         shutil.rmtree(run_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     options.results.mkdir(parents=True, exist_ok=True)

@@ -63,3 +63,16 @@ def test_plan_accuracy_study_quick(tmp_path):
     assert all(abs(c["error"]) <= 0.15 for c in cases.values())
     assert cases["quick_full"]["measured_mib"] < cases["quick_none"]["measured_mib"]
     assert (tmp_path / "plan_accuracy.png").exists()
+
+
+def test_a_folder_the_harness_did_not_write_is_never_deleted(tmp_path):
+    """``--out`` pointing at a folder with a user's ``runs/NAME``: the study refuses and deletes nothing."""
+    from experiments.harness import Options, Run, run_training
+
+    mine = tmp_path / "runs" / "single"
+    mine.mkdir(parents=True)
+    (mine / "thesis.tex").write_text("irreplaceable")
+    options = Options(quick=True, out=tmp_path, report_only=False, threads=1)
+    with pytest.raises(SystemExit, match=r"is not a training run of this study .* Nothing was deleted"):
+        run_training(Run("single"), tmp_path / "config.yaml", options)
+    assert (mine / "thesis.tex").read_text() == "irreplaceable"
