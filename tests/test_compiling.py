@@ -1,3 +1,4 @@
+import json
 import os
 import platform
 import subprocess
@@ -13,13 +14,16 @@ from lmfunc.compiler import compiling
 
 def test_inductor_compiles_on_the_first_call_after_dynamo_capture(monkeypatch):
     """With Inductor, Dynamo's backend only keeps the graph: Inductor compiles it (with the recompute
-    pass) on the first call, outside Dynamo's tracing, between two releases of the compile garbage;
-    later calls compile nothing. Other backends compile as usual and release nothing."""
+    pass) on the first call, outside Dynamo's tracing (in a fresh tracing context whose shape
+    environment holds no guards, for Inductor's cache), between two releases of the compile
+    garbage; later calls compile nothing. Other backends compile as usual and release nothing."""
     events = []
     real_compile = torch._inductor.compile
 
     def recording_compile(graph, example_inputs, options):
-        events.append(("inductor", TracingContext.try_get() is None, type(options["post_grad_custom_pre_pass"]).__name__))
+        context = TracingContext.try_get()
+        fresh = context is not None and context.fake_mode.shape_env is not None and not context.fake_mode.shape_env.guards
+        events.append(("inductor", fresh, type(options["post_grad_custom_pre_pass"]).__name__))
         return real_compile(graph, example_inputs, options)
 
     monkeypatch.setattr(torch._inductor, "compile", recording_compile)
@@ -101,3 +105,37 @@ def test_tracing_settings_hold_only_on_calls_that_trace():
         assert float(value) == float((w ** 2).sum()) and torch.equal(grad, 2 * w)
     assert seen == [True, False, False, True, False]
     assert torch._dynamo.config.trace_autograd_ops is False
+
+
+CACHED_STEP = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from lmfunc import model
+from lmfunc.config import model_preset
+from lmfunc.optim import adamw
+from lmfunc.train import TrainState
+from lmfunc.train.step import make_train_step
+cfg = model_preset("tiny")
+tx = adamw(1e-3)
+state = TrainState.create(model.init(cfg, seed=0), tx)
+tokens = torch.randint(0, cfg.vocab_size, (1, 2, 16), generator=torch.Generator().manual_seed(0))
+state, metrics = make_train_step(cfg, tx, compile=True, donate_state=True)(state, {"tokens": tokens, "labels": tokens})
+print(json.dumps({"loss": float(metrics["loss"]), **counters["inductor"]}))
+"""
+
+
+def test_a_restarted_process_loads_the_compiled_step_from_inductors_cache(tmp_path):
+    """The step is compiled after Dynamo's capture, in a tracing context of its own with a shape
+    environment, so Inductor's FX graph cache serves a restarted job instead of regenerating code."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", CACHED_STEP], env=env, capture_output=True, text=True,
+                              timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    assert cold.get("fxgraph_cache_miss") == 1 and "fxgraph_cache_bypass" not in cold
+    assert warm.get("fxgraph_cache_hit") == 1
+    assert warm["loss"] == cold["loss"]

@@ -55,13 +55,29 @@ def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
             if compiled is None:
                 release_compile_garbage()
                 with _inductor_settings():
-                    compiled = torch._inductor.compile(graph, list(args), options)
+                    compiled = _compile_static(graph, list(args), options)
                 release_compile_garbage()
             return compiled(*args)
 
         return run
 
     return backend
+
+
+def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, Any]) -> Callable:
+    """``torch._inductor.compile`` of ``graph`` for ``args`` after Dynamo's own tracing context is
+    gone, in a fresh one: the arguments as static-shaped fake tensors of a fake mode with an
+    (empty) shape environment. Inductor's FX graph cache keys its entries on that environment's
+    guards and bypasses the cache without one; with it, a restarted job loads the compiled step
+    from the cache instead of generating its code again."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with tracing(TracingContext(fake_mode)):
+        fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        return torch._inductor.compile(graph, fakes, options)
 
 
 @contextlib.contextmanager
