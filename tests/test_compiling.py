@@ -120,22 +120,62 @@ tx = adamw(1e-3)
 state = TrainState.create(model.init(cfg, seed=0), tx)
 tokens = torch.randint(0, cfg.vocab_size, (1, 2, 16), generator=torch.Generator().manual_seed(0))
 state, metrics = make_train_step(cfg, tx, compile=True, donate_state=True)(state, {"tokens": tokens, "labels": tokens})
-print(json.dumps({"loss": float(metrics["loss"]), **counters["inductor"]}))
+print(json.dumps({"loss": float(metrics["loss"]), **counters["inductor"], **counters["aot_autograd"]}))
 """
+
+
+def _run_script(script: str, cache_dir, extra_env: dict | None = None) -> dict:
+    """Run ``script`` in a fresh Python process with this Inductor cache dir; its last stdout line as JSON."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_a_restarted_process_loads_the_compiled_step_from_inductors_cache(tmp_path):
     """The step is compiled after Dynamo's capture, in a tracing context of its own with a shape
-    environment, so Inductor's FX graph cache serves a restarted job instead of regenerating code."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
-
-    def run() -> dict:
-        done = subprocess.run([sys.executable, "-c", CACHED_STEP], env=env, capture_output=True, text=True,
-                              timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    cold, warm = run(), run()
+    environment, so Inductor's FX graph cache serves a restarted job instead of regenerating code;
+    AOTAutograd's cache takes the step although it calls the chunked output layer's
+    ``autograd.Function``, so the restart skips AOTAutograd's trace too."""
+    cold, warm = _run_script(CACHED_STEP, tmp_path), _run_script(CACHED_STEP, tmp_path)
     assert cold.get("fxgraph_cache_miss") == 1 and "fxgraph_cache_bypass" not in cold
-    assert warm.get("fxgraph_cache_hit") == 1
+    assert cold.get("autograd_cache_miss") == 1 and cold.get("autograd_cache_saved") == 1
+    assert "autograd_cache_bypass" not in cold
+    assert warm.get("fxgraph_cache_hit") == 1 and warm.get("autograd_cache_hit") == 1
     assert warm["loss"] == cold["loss"]
+
+
+FUNCTION_STEP = """
+import json, os, torch
+from torch._dynamo.utils import counters
+from lmfunc.compiler import compile_step
+from lmfunc.grad import value_and_grad
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x * BACKWARD_FACTOR
+
+value, grad = compile_step(value_and_grad(lambda w: Square.apply(w).sum()))(torch.arange(3.0))
+print(json.dumps({"grad": grad.tolist(), **counters["aot_autograd"]}))
+"""
+
+
+def test_the_compile_cache_misses_when_an_autograd_functions_backward_changes(tmp_path):
+    """lmfunc lets AOTAutograd cache graphs that call an ``autograd.Function``: this holds only
+    because the Function's backward is traced into the cached graph's key. A restarted process
+    whose Function computes another backward must compile again and get its own gradient."""
+    def run(factor: str) -> dict:
+        return _run_script(FUNCTION_STEP.replace("BACKWARD_FACTOR", factor), tmp_path)
+
+    first, changed, again = run("2.0"), run("3.0"), run("2.0")
+    assert first["grad"] == [0.0, 2.0, 4.0] and first.get("autograd_cache_miss") == 1
+    assert changed["grad"] == [0.0, 3.0, 6.0] and changed.get("autograd_cache_miss") == 1
+    assert again["grad"] == [0.0, 2.0, 4.0] and again.get("autograd_cache_hit") == 1

@@ -65,6 +65,16 @@ def test_plan_accuracy_study_quick(tmp_path):
     assert (tmp_path / "plan_accuracy.png").exists()
 
 
+@pytest.mark.slow
+def test_compile_depth_study_quick(tmp_path):
+    summary = run_quick("compile_depth", tmp_path)
+    assert set(summary["seconds"]) == {"unrolled L1", "scan L1", "unrolled L2", "scan L2"}
+    measured = {(r["mode"], r["layers"]): r for r in json.loads((tmp_path / "results" / "measured.json").read_text())}
+    for layers in (1, 2):
+        assert measured[("scan", layers)]["first_loss"] == pytest.approx(measured[("unrolled", layers)]["first_loss"], rel=1e-5)
+    assert (tmp_path / "compile_depth.png").exists()
+
+
 def test_a_folder_the_harness_did_not_write_is_never_deleted(tmp_path):
     """``--out`` pointing at a folder with a user's ``runs/NAME``: the study refuses and deletes nothing."""
     from experiments.harness import Options, Run, run_training

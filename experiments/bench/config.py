@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-VARIANTS = ("func-eager", "func-compiled", "module-eager", "module-compiled")
+VARIANTS = ("func-eager", "func-compiled", "func-scan", "module-eager", "module-compiled")
+DEFAULT_VARIANTS = ("func-eager", "func-compiled", "module-eager", "module-compiled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,9 @@ class BenchConfig:
     """torch intra-op threads (OMP_NUM_THREADS)."""
     recompute: str = "none"
     """model.recompute_granularity of the func variants: none, selective or full."""
+    scan_layers: bool = False
+    """model.scan_layers of the func variants: the blocks stacked and run by torch's scan (the
+    module variants keep one module per block, from the same weights)."""
     ce_chunk: Optional[int] = None
     """model.cross_entropy_chunk_tokens of the func variants (0: all logits at once); default:
     ModelConfig's default."""
@@ -44,7 +48,7 @@ class BenchConfig:
     warm_cache: bool = False
     """Run each worker once, untimed, before the measured run with the same Inductor cache, so
     the measured run loads its compiled graphs instead of compiling them (a restarted job)."""
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     paired: bool = False
     """Speed only: build the variants in one process and run their steps in turn, ``--steps``
     rounds per process (``--repeats`` processes, rounds pooled), and report each variant's

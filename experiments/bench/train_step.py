@@ -4,6 +4,8 @@ Variants (each run in its own process, alternated across repeats because this bo
   func-eager       lmfunc ``make_train_step(compile=False, donate_state=True)``
   func-compiled    lmfunc ``make_train_step(donate_state=True)``: one torch.compile(fullgraph) graph
                    (the state donated, as ``python -m lmfunc.train`` runs it; ``--no-donate`` not)
+  func-scan        the same with ``model.scan_layers`` (blocks stacked, run by torch's scan; not
+                   among the default variants)
   module-eager     the same model as an nn.Module, ``loss.backward()``, clip, ``torch.optim.AdamW(fused)``
   module-compiled  the same with ``torch.compile(model)`` and ``torch.compile(optimizer.step)``
 All variants start from the same weights and train on the same batch, so their first losses match.
@@ -173,6 +175,8 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
             args += ["--ce-chunk", str(bc.ce_chunk)]
         if not bc.donate:
             args += ["--no-donate"]
+        if bc.scan_layers:
+            args += ["--scan-layers"]
         if variant == "paired":
             args += ["--variants", *bc.variants]
         if bc.warm_cache:
@@ -232,7 +236,8 @@ def main(bc: BenchConfig) -> None:
     where = f"{device.type} ({_device_name(device)}), torch {torch.__version__}"
     print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
           f"batch={bc.batch} fp32, {tokens} tokens/step, {where}, threads={bc.threads}, recompute={bc.recompute}, "
-          f"cross_entropy_chunk_tokens={cfg.cross_entropy_chunk_tokens}, donate_state={bc.donate}"
+          f"cross_entropy_chunk_tokens={cfg.cross_entropy_chunk_tokens}, donate_state={bc.donate}, "
+          f"scan_layers={bc.scan_layers}"
           + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else "")
           + (", warm Inductor cache" if bc.warm_cache else ""))
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")

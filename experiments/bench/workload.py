@@ -18,7 +18,7 @@ def model_config(bc: BenchConfig):
 
     cfg = ModelConfig(
         vocab_size=bc.vocab, hidden_size=bc.hidden, num_layers=bc.layers, num_attention_heads=bc.heads,
-        max_position_embeddings=bc.seq, recompute_granularity=bc.recompute,
+        max_position_embeddings=bc.seq, recompute_granularity=bc.recompute, scan_layers=bc.scan_layers,
     )
     if bc.ce_chunk is not None:
         cfg = dataclasses.replace(cfg, cross_entropy_chunk_tokens=bc.ce_chunk)
@@ -108,13 +108,15 @@ def make_step(bc: BenchConfig, variant: str) -> Callable[[], Any]:
 
     device = torch.device(bc.device)
     cfg = model_config(bc)
+    if variant == "func-scan":
+        cfg = dataclasses.replace(cfg, scan_layers=True)
     params = model.init(cfg, seed=0, device=device)
     g = torch.Generator().manual_seed(0)
     stream = torch.randint(0, cfg.vocab_size, (bc.batch, bc.seq + 1), generator=g).to(device)
     tokens, labels = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
     if variant.startswith("func"):
         tx = adamw(1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
-        train_step = make_train_step(cfg, tx, clip_grad=1.0, compile=variant == "func-compiled",
+        train_step = make_train_step(cfg, tx, clip_grad=1.0, compile=variant != "func-eager",
                                      donate_state=bc.donate)
         holder = {"state": TrainState.create(params, tx)}
         batch = {"tokens": tokens[None], "labels": labels[None]}
@@ -124,5 +126,7 @@ def make_step(bc: BenchConfig, variant: str) -> Callable[[], Any]:
             return metrics["loss"]
 
         return step
+    if cfg.scan_layers:
+        params = model.gpt.unstack_layers(params, cfg.num_layers)
     step = module_step(cfg, params, compiled=variant == "module-compiled")
     return lambda: step(tokens, labels)

@@ -7,6 +7,7 @@ Megatron), RMSNorm, SwiGLU, no QK-norm and no MTP depths. lmfunc stores projecti
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from lmfunc.config.model import ConfigError, ModelConfig
 from lmfunc.model import param_shapes
+from lmfunc.model.gpt import stack_layers, unstack_layers
 from lmfunc.tree import PyTree, flatten_with_paths, tree_map_with_path
 
 # (lmfunc name, HF name, transposed): "{i}" is the layer index.
@@ -47,11 +49,16 @@ _GLOBAL_MAP = [
 
 
 def _name_map(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """``{lmfunc name: (HF name, transposed)}`` for every leaf of ``cfg``'s parameter tree."""
-    names = {name for name, _ in flatten_with_paths(param_shapes(cfg))}
+    """``{lmfunc name: (HF name, transposed)}`` for every leaf of ``cfg``'s parameter tree, with
+    the blocks unstacked (``layers.<i>.*``) also for a ``scan_layers`` model."""
+    names = {name for name, _ in flatten_with_paths(param_shapes(_unstacked(cfg)))}
     table = list(_GLOBAL_MAP) + [(ours.format(i=i), theirs.format(i=i), t)
                                  for i in range(cfg.num_layers) for ours, theirs, t in _LAYER_MAP]
     return {ours: (theirs, t) for ours, theirs, t in table if ours in names}
+
+
+def _unstacked(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, scan_layers=False)
 
 
 def check_llama_compatible(cfg: ModelConfig) -> None:
@@ -90,6 +97,8 @@ def llama_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
 def to_llama_state_dict(params: PyTree, cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """HF-named, ``[out, in]`` tensors of full (consolidated) ``params``."""
     mapping = _name_map(cfg)
+    if cfg.scan_layers:
+        params = unstack_layers(params, cfg.num_layers)
     out = {}
     for name, leaf in flatten_with_paths(params):
         hf_name, transposed = mapping[name]
@@ -184,4 +193,5 @@ def load_llama(directory: str, cfg: ModelConfig) -> PyTree:
                               f"the model expects {tuple(like.shape[::-1]) if transposed else tuple(like.shape)}")
         return tensor.to(torch.float32).contiguous()
 
-    return tree_map_with_path(fill, param_shapes(cfg))
+    params = tree_map_with_path(fill, param_shapes(_unstacked(cfg)))
+    return stack_layers(params) if cfg.scan_layers else params

@@ -83,9 +83,17 @@ def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, 
 @contextlib.contextmanager
 def _inductor_settings():
     """While AOTAutograd and Inductor compile the step: AOTAutograd's own recompute of tagged ops
-    is off (``lmfunc.compiler.recompute_pass`` does it, per microbatch), and Inductor reuses a matmul's
-    buffer in place although the graph writes into its inputs (``inplace_reuse``)."""
-    with torch._functorch.config.patch(remat_using_tags_for_fwd_loss_bwd_graph=False):
+    is off (``lmfunc.compiler.recompute_pass`` does it, per microbatch), Inductor reuses a matmul's
+    buffer in place although the graph writes into its inputs (``inplace_reuse``), and
+    AOTAutograd's cache takes graphs that call an ``autograd.Function`` (the chunked output
+    layer's). torch leaves that cache off for them by default because a Function's Python code
+    need not be in the graph; under ``fullgraph=True`` Dynamo traces its forward and backward
+    into subgraphs of the step's graph, which the cache key hashes, so a changed Function is a
+    miss (``tests/test_compiling.py`` checks this). With it, a restarted job skips AOTAutograd's
+    trace of the step as well as Inductor's."""
+    with torch._functorch.config.patch(
+        remat_using_tags_for_fwd_loss_bwd_graph=False, autograd_cache_allow_custom_autograd_functions=True
+    ):
         with inplace_reuse.inplace_reuse_despite_input_writes():
             yield
 

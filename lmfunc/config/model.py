@@ -73,6 +73,12 @@ class ModelConfig:
     recompute_granularity: Literal["none", "selective", "full"] = "none"
     """Activation recompute: 'selective' recomputes the attention core in the backward pass,
     'full' recomputes each whole transformer block (only its input is kept)."""
+    scan_layers: bool = False
+    """Store the transformer blocks' parameters stacked along a leading layer axis (``layers.attn.wq``
+    is ``[L, h, a*d]``) and run the blocks with torch's ``scan``: the compiled step then holds one
+    block's graph whatever num_layers is, so compiling takes about as long at 32 layers as at 4
+    (MaxText's scan_layers). Same numbers as the unstacked model; one process only for now (torch's
+    scan does not take DTensor parameters)."""
     num_experts: Optional[int] = None
     """Routed experts per MoE layer (Megatron's --num-experts). Planned by ``python -m lmfunc.plan``;
     not trainable yet."""

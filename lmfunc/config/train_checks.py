@@ -144,6 +144,10 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
         missing = untrainable_features(cfg)
         _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
                               "lmfunc.plan plans such runs); dp_replicate, dp_shard and tp are")
+    _require(not cfg.model.scan_layers or world_size == 1,
+             f"model.scan_layers runs on one process only (this run has {world_size}): torch's scan does "
+             "not take the DTensor parameters of a parallel layout yet; turn it off (--model.no-scan-layers) "
+             "for multi-process runs")
     _validate_batch(run, cfg.parallel.data_parallel_size(world_size))
     _validate_length(cfg)
     _positive(data.seq_length, "data.seq_length")

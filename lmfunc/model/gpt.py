@@ -11,6 +11,10 @@ Tree layout (dotted names are stable; ``layers`` is keyed "0", "1", ...)::
     output [h, V]                  (untied only)
     mtp.<k>.{enorm, hnorm, eh_proj [2h, h], layer.<as layers.<i>>, final_norm}   (mtp_num_layers > 0)
 
+With ``scan_layers`` the blocks' leaves are stacked instead: ``layers.attn.wq [L, h, a*d]`` and so
+on, one leading axis (logical name "layers") over the blocks, and ``forward`` runs them with
+torch's ``scan``. ``stack_layers``/``unstack_layers`` convert between the two trees.
+
 One table (``param_specs``) gives every leaf's shape, logical axes and initialiser, so
 ``init`` and ``param_axes`` can never disagree.
 """
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,9 @@ from lmfunc.model import layers
 from lmfunc.model.recompute import checkpointed
 from lmfunc.parallel.placement import compute_layout, embedding_lookup, gather, residual_layout
 from lmfunc.tree import Axes, tree_map, tree_map_with_path
+
+LAYER_AXIS = "layers"
+"""Logical name of the leading axis of stacked block leaves (``ModelConfig.scan_layers``)."""
 
 Params = dict
 
@@ -88,7 +95,7 @@ def param_specs(cfg: ModelConfig) -> Params:
         embed["positions"] = LeafSpec((cfg.max_position_embeddings, h), ("position", "embed"), "normal")
     specs: Params = {
         "embed": embed,
-        "layers": {str(i): _layer_spec(cfg) for i in range(cfg.num_layers)},
+        "layers": _stacked_layer_spec(cfg) if cfg.scan_layers else {str(i): _layer_spec(cfg) for i in range(cfg.num_layers)},
         "final_norm": _norm_spec(cfg, h, "embed"),
     }
     if not cfg.tie_embeddings:
@@ -96,6 +103,12 @@ def param_specs(cfg: ModelConfig) -> Params:
     if cfg.mtp_num_layers > 0:
         specs["mtp"] = {str(k): _mtp_spec(cfg) for k in range(cfg.mtp_num_layers)}
     return specs
+
+
+def _stacked_layer_spec(cfg: ModelConfig) -> dict:
+    """One block's specs with a leading ``[L]`` axis named ``LAYER_AXIS`` on every leaf."""
+    return tree_map(lambda s: LeafSpec((cfg.num_layers, *s.shape), (LAYER_AXIS, *s.axes), s.init), _layer_spec(cfg),
+                    is_leaf=_is_spec)
 
 
 def _mtp_spec(cfg: ModelConfig) -> dict:
@@ -131,7 +144,13 @@ def leaf_seed(seed: int, path: str) -> int:
 
 
 def init_leaf(spec: LeafSpec, path: str, cfg: ModelConfig, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """Megatron init of one leaf: N(0, std), output projections N(0, std / sqrt(2 L)), norms 1, biases 0."""
+    """Megatron init of one leaf: N(0, std), output projections N(0, std / sqrt(2 L)), norms 1, biases 0.
+
+    A stacked block leaf (``layers.attn.wq``, leading axis ``LAYER_AXIS``) is the stack of the
+    unstacked model's leaves ``layers.<i>.attn.wq``, so both layouts start from the same weights."""
+    if spec.axes[:1] == (LAYER_AXIS,):
+        inner, rest = LeafSpec(spec.shape[1:], spec.axes[1:], spec.init), path.split(".", 1)[1]
+        return torch.stack([init_leaf(inner, f"layers.{i}.{rest}", cfg, seed, dtype) for i in range(spec.shape[0])])
     if spec.init == "ones":
         return torch.ones(spec.shape, dtype=dtype)
     if spec.init == "zeros":
@@ -169,9 +188,10 @@ def _check_inputs(tokens: torch.Tensor, cfg: ModelConfig, positions, doc_ids) ->
 
 def block(
     p: Params, x: torch.Tensor, cfg: ModelConfig, rope, mask,
-    dropout_seed: Optional[torch.Tensor] = None, layer_index: int = 0,
+    dropout_seed: Optional[torch.Tensor] = None, layer_index: Union[int, torch.Tensor] = 0,
 ) -> torch.Tensor:
-    """One pre-norm transformer block ``[B, S, h] -> [B, S, h]``."""
+    """One pre-norm transformer block ``[B, S, h] -> [B, S, h]``. ``layer_index`` (an int, or a
+    0-dim integer tensor under ``scan``) separates the block's dropout streams from the others'."""
     stream, sp = 8 * (layer_index + 1), cfg.sequence_parallel
     h = compute_layout(layers.norm(p["attn_norm"], x, cfg))
     attn_out = residual_layout(layers.attention(p["attn"], h, cfg, rope, mask, dropout_seed, stream), sp)
@@ -226,9 +246,46 @@ def forward(
     x = layers.dropout(residual_layout(x, cfg.sequence_parallel), cfg.hidden_dropout, dropout_seed, 1)
     mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
     run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
-    for i in range(cfg.num_layers):
-        x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
+    if cfg.scan_layers:
+        x = _scan_blocks(run_block, params["layers"], x, cfg, rope, mask, dropout_seed)
+    else:
+        for i in range(cfg.num_layers):
+            x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
     return compute_layout(layers.norm(params["final_norm"], x, cfg))
+
+
+def _scan_blocks(run_block, stacked: Params, x: torch.Tensor, cfg: ModelConfig, rope, mask,
+                 dropout_seed: Optional[torch.Tensor]) -> torch.Tensor:
+    """``run_block`` over the stacked block leaves ``[L, ...]`` with torch's ``scan``: the same
+    blocks as the unrolled loop (each block's dropout stream comes from its index, a scanned
+    ``[L]`` tensor), traced once. Returns the last block's output ``[B, S, h]``."""
+    from torch._higher_order_ops.scan import scan
+
+    def body(carry: torch.Tensor, layer: tuple[Params, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        p, index = layer
+        out = run_block(p, carry, cfg, rope, mask, dropout_seed, index)
+        return out, out.new_zeros(())
+
+    indices = torch.arange(cfg.num_layers, device=x.device)
+    x, _ = scan(body, x, (stacked, indices))
+    return x
+
+
+def layer_params(params: Params, cfg: ModelConfig, i: int) -> Params:
+    """Block ``i``'s parameter tree (a view into the stacked leaves with ``scan_layers``)."""
+    return tree_map(lambda t: t[i], params["layers"]) if cfg.scan_layers else params["layers"][str(i)]
+
+
+def stack_layers(params: Params) -> Params:
+    """``params`` with ``layers.<i>.*`` leaves stacked into ``layers.*`` ``[L, ...]`` (the
+    ``scan_layers`` layout); other leaves are shared, not copied."""
+    blocks = params["layers"]
+    return {**params, "layers": tree_map(lambda *leaves: torch.stack(leaves), *(blocks[str(i)] for i in range(len(blocks))))}
+
+
+def unstack_layers(params: Params, num_layers: int) -> Params:
+    """The inverse of ``stack_layers``: ``layers.*`` ``[L, ...]`` split into ``layers.<i>.*`` (views)."""
+    return {**params, "layers": {str(i): tree_map(lambda t: t[i], params["layers"]) for i in range(num_layers)}}
 
 
 def output_weight(params: Params, cfg: ModelConfig) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from lmfunc.config import ModelConfig
 from lmfunc.model import layers
-from lmfunc.model.gpt import Params, embed
+from lmfunc.model.gpt import Params, embed, layer_params
 
 Cache = dict
 
@@ -63,7 +63,7 @@ def forward_cached(params: Params, tokens: torch.Tensor, cfg: ModelConfig, cache
     visible = torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]  # [n, end]
     new_layers = {}
     for i in range(cfg.num_layers):
-        p, entry = params["layers"][str(i)], cache["layers"][str(i)]
+        p, entry = layer_params(params, cfg, i), cache["layers"][str(i)]
         q, k, v = layers.project_qkv(p["attn"], layers.norm(p["attn_norm"], x, cfg), cfg, rope)
         keys = torch.slice_scatter(entry["k"], k.transpose(1, 2).to(entry["k"].dtype), dim=2, start=start, end=end)
         values = torch.slice_scatter(entry["v"], v.transpose(1, 2).to(entry["v"].dtype), dim=2, start=start, end=end)

@@ -7,7 +7,7 @@ B batch, S sequence, h hidden, a query heads, g key/value groups, d head dim, f 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,8 @@ from lmfunc.model.recompute import checkpointed
 from lmfunc.parallel.placement import gather, run_local
 
 Params = dict
+Stream = Union[int, torch.Tensor]
+"""A dropout stream: an int, or a 0-dim integer tensor of the same value."""
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -51,19 +53,23 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seed: torch.Tensor, shape: tuple[int, ...], stream: int) -> torch.Tensor:
+def uniform(seed: torch.Tensor, shape: tuple[int, ...], stream: Stream) -> torch.Tensor:
     """Counter-based uniform [0, 1) numbers: a pure function of (seed, stream, element index).
 
-    ``seed`` is an integer tensor (so a new seed never recompiles), ``stream`` a static int that
-    separates call sites (layer and site). No global RNG state is read or written.
+    ``seed`` is an integer tensor (so a new seed never recompiles), ``stream`` an int that
+    separates call sites (layer and site), or a 0-dim integer tensor of the same value (a block
+    run by ``scan`` has its index as a tensor): both give the same numbers. No global RNG state
+    is read or written.
     """
     index = torch.arange(math.prod(shape), dtype=torch.int64, device=seed.device).view(shape)
-    key = _hash32((seed.to(torch.int64) & 0xFFFFFFFF) ^ _hash32(torch.tensor(stream & 0xFFFFFFFF, device=seed.device)))
+    stream_bits = (stream.to(torch.int64) if isinstance(stream, torch.Tensor)
+                   else torch.tensor(stream, dtype=torch.int64, device=seed.device)) & 0xFFFFFFFF
+    key = _hash32((seed.to(torch.int64) & 0xFFFFFFFF) ^ _hash32(stream_bits))
     bits = _hash32(_hash32(index & 0xFFFFFFFF) ^ key ^ ((index >> 32) & 0xFFFFFFFF))
     return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def dropout(x: torch.Tensor, rate: float, seed: Optional[torch.Tensor], stream: int) -> torch.Tensor:
+def dropout(x: torch.Tensor, rate: float, seed: Optional[torch.Tensor], stream: Stream) -> torch.Tensor:
     """Inverted dropout with an explicit seed; identity when ``rate == 0`` or ``seed is None``."""
     if rate == 0.0 or seed is None:
         return x
@@ -110,7 +116,7 @@ def attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 def _attention_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-    cfg: ModelConfig, seed: Optional[torch.Tensor], stream: int,
+    cfg: ModelConfig, seed: Optional[torch.Tensor], stream: Stream,
 ) -> torch.Tensor:
     """Softmax attention. q ``[B, a, S, d]``, k/v ``[B, g, S, d]`` -> ``[B, a, S, d]``."""
     if cfg.attention_dropout > 0.0 and seed is not None:
@@ -160,7 +166,7 @@ def project_out(p: Params, heads_out: torch.Tensor, cfg: ModelConfig) -> torch.T
 def attention(
     p: Params, x: torch.Tensor, cfg: ModelConfig,
     rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Optional[torch.Tensor],
-    seed: Optional[torch.Tensor] = None, stream: int = 0,
+    seed: Optional[torch.Tensor] = None, stream: Stream = 0,
 ) -> torch.Tensor:
     """Causal self-attention (MHA/GQA/MQA) ``[B, S, h] -> [B, S, h]``.
 

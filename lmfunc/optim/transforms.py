@@ -95,7 +95,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
 
 def decay_mask(params: PyTree) -> PyTree:
-    """Default weight-decay mask: True for leaves with 2+ dims, False for norms and biases (1-D)."""
+    """Default weight-decay mask: True for leaves with 2+ dims, False for norms and biases (1-D).
+    A ``scan_layers`` model's stacked norms are 2-D; the trainer's rule
+    (``lmfunc.train.make_optimizer.decays``) knows its layer axis."""
     return tree_map(lambda p: p.dim() >= 2, params)
 
 

@@ -140,7 +140,7 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     head = int(4 * tokens * m.hidden_size * HEAD_VALUES_PER_TOKEN + 4 * chunk * m.vocab_size / tp)
     phases = [activations + head, grads]
     if m.recompute_granularity == "full":
-        layer_grads = 4 * local_params(m, sizes, prefix="layers.0.")
+        layer_grads = 4 * local_params(dataclasses.replace(m, scan_layers=False), sizes, prefix="layers.0.")
         recomputed_mlp = tokens * compute_bytes * (3 if m.activation == "swiglu" else 2) * m.ffn_size / tp
         phases.append(int(activations + recomputed_mlp + RECOMPUTED_LAYERS_GRADS * layer_grads))
     peak = state + compute_copies + max(phases)

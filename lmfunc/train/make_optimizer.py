@@ -82,9 +82,11 @@ def build_lr_schedule(
 
 
 def decays(cfg: TrainConfig, name: str, leaf: torch.Tensor) -> bool:
-    """Whether weight decay applies to the leaf ``name``: matrices only, and not the embeddings
-    and output layer when ``optim.embedding_weight_decay`` is False."""
-    return leaf.dim() >= 2 and (cfg.optim.embedding_weight_decay or not name_matches(name, EMBEDDINGS))
+    """Whether weight decay applies to the leaf ``name``: matrices only (a ``scan_layers`` block
+    leaf's leading layer axis does not count), and not the embeddings and output layer when
+    ``optim.embedding_weight_decay`` is False."""
+    layer_axis = 1 if cfg.model.scan_layers and name.startswith("layers.") else 0
+    return leaf.dim() - layer_axis >= 2 and (cfg.optim.embedding_weight_decay or not name_matches(name, EMBEDDINGS))
 
 
 def lr_group(cfg: TrainConfig, name: str) -> str:

@@ -35,6 +35,7 @@ def _shape_fields(cfg: ModelConfig) -> dict[str, object]:
         "position_embedding_type": cfg.position_embedding_type, "normalization": cfg.normalization,
         "activation": cfg.activation, "qk_layernorm": cfg.qk_layernorm, "add_bias_linear": cfg.add_bias_linear,
         "tie_embeddings": cfg.tie_embeddings, "mtp_num_layers": cfg.mtp_num_layers,
+        "scan_layers": cfg.scan_layers,
     }
     if cfg.position_embedding_type == "learned_absolute":
         fields["max_position_embeddings"] = cfg.max_position_embeddings
