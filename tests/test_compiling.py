@@ -179,3 +179,31 @@ def test_the_compile_cache_misses_when_an_autograd_functions_backward_changes(tm
     assert first["grad"] == [0.0, 2.0, 4.0] and first.get("autograd_cache_miss") == 1
     assert changed["grad"] == [0.0, 3.0, 6.0] and changed.get("autograd_cache_miss") == 1
     assert again["grad"] == [0.0, 2.0, 4.0] and again.get("autograd_cache_hit") == 1
+
+
+def test_the_first_call_freezes_older_objects_for_the_collector_and_restores_the_process():
+    """While a step is traced and compiled, the process's older objects are frozen for Python's
+    collector (its full collections then scan only the compile's objects); afterwards nothing is
+    frozen, and a process that froze objects itself keeps exactly its own."""
+    import gc
+
+    from lmfunc.grad import value_and_grad
+
+    seen = []
+
+    def recording_backend(graph, example_inputs):
+        seen.append(gc.get_freeze_count())
+        return graph
+
+    w = torch.arange(3.0)
+    value, grad = compiling.compile_step(value_and_grad(lambda w: (w ** 3).sum()), backend=recording_backend)(w)
+    assert torch.equal(grad, 3 * w ** 2)
+    assert seen[0] > 1000 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        younger = [[] for _ in range(10_000)]
+        compiling.compile_step(value_and_grad(lambda w: (w ** 3).sum()), backend=recording_backend)(w)
+        assert seen[1] <= frozen and 0 < gc.get_freeze_count() <= frozen and len(younger) == 10_000
+    finally:
+        gc.unfreeze()

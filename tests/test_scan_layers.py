@@ -134,3 +134,41 @@ def test_resuming_across_the_two_layouts_is_refused_by_name():
     with pytest.raises(ConfigError, match="model.scan_layers: checkpoint False, this run True"):
         check_model_matches(CFG, scanned(CFG), "runs/x/checkpoints/iter_0000010")
     check_model_matches(scanned(CFG), scanned(CFG), "runs/x/checkpoints/iter_0000010")
+
+
+SCANNED_STEP = """
+import json, os, torch
+from torch._dynamo.utils import counters
+from lmfunc import model
+from lmfunc.config import model_preset
+from lmfunc.optim import adamw
+from lmfunc.train import TrainState
+from lmfunc.train.step import make_train_step
+factor = float(os.environ["SILU_FACTOR"])
+silu = torch.nn.functional.silu
+torch.nn.functional.silu = lambda x, inplace=False: silu(x) * factor
+cfg = model_preset("tiny", scan_layers=True)
+tx = adamw(1e-3)
+state = TrainState.create(model.init(cfg, seed=0), tx)
+tokens = torch.randint(0, cfg.vocab_size, (1, 2, 16), generator=torch.Generator().manual_seed(0))
+state, metrics = make_train_step(cfg, tx, compile=True, donate_state=True)(state, {"tokens": tokens, "labels": tokens})
+print(json.dumps({"loss": float(metrics["loss"]), **counters["inductor"], **counters["aot_autograd"]}))
+"""
+
+
+def test_a_restarted_scan_step_loads_from_the_compile_caches_and_a_changed_body_misses(tmp_path):
+    """torch's ``scan`` is opted into the FX graph and AOTAutograd caches: a restarted process loads
+    the scanned step from them, and a process whose scanned block computes something else (the
+    activation inside every block scaled) misses and gets its own loss, so the block's body is
+    part of the cache key."""
+    from tests.test_compiling import _run_script
+
+    first = _run_script(SCANNED_STEP, tmp_path, {"SILU_FACTOR": "1.0"})
+    changed = _run_script(SCANNED_STEP, tmp_path, {"SILU_FACTOR": "1.5"})
+    again = _run_script(SCANNED_STEP, tmp_path, {"SILU_FACTOR": "1.0"})
+    assert first.get("fxgraph_cache_miss") == 1 and first.get("autograd_cache_saved") == 1
+    assert "fxgraph_cache_bypass" not in first and "autograd_cache_bypass" not in first
+    assert changed.get("autograd_cache_miss") == 1 and "autograd_cache_hit" not in changed
+    assert changed["loss"] != first["loss"]
+    assert again.get("fxgraph_cache_hit") == 1 and again.get("autograd_cache_hit") == 1
+    assert again["loss"] == first["loss"]

@@ -80,6 +80,11 @@ def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, 
         return torch._inductor.compile(graph, fakes, options)
 
 
+_CACHEABLE_OPERATORS = {"torch.ops.higher_order.scan": torch.__version__}
+"""Higher-order operators the compile caches may take (``_inductor_settings``), keyed by the torch
+version as Inductor's ``unsafe_marked_cacheable_functions`` asks."""
+
+
 @contextlib.contextmanager
 def _inductor_settings():
     """While AOTAutograd and Inductor compile the step: AOTAutograd's own recompute of tagged ops
@@ -90,12 +95,16 @@ def _inductor_settings():
     need not be in the graph; under ``fullgraph=True`` Dynamo traces its forward and backward
     into subgraphs of the step's graph, which the cache key hashes, so a changed Function is a
     miss (``tests/test_compiling.py`` checks this). With it, a restarted job skips AOTAutograd's
-    trace of the step as well as Inductor's."""
+    trace of the step as well as Inductor's. Both caches also take graphs with torch's ``scan``
+    (``ModelConfig.scan_layers``), which torch 2.13 leaves out of them only because it has not
+    opted that operator in: its body is a subgraph of the step's graph, hashed into the key like
+    any other node (``tests/test_scan_layers.py`` checks that a changed body misses)."""
     with torch._functorch.config.patch(
         remat_using_tags_for_fwd_loss_bwd_graph=False, autograd_cache_allow_custom_autograd_functions=True
     ):
-        with inplace_reuse.inplace_reuse_despite_input_writes():
-            yield
+        with torch._inductor.config.patch(unsafe_marked_cacheable_functions=_CACHEABLE_OPERATORS):
+            with inplace_reuse.inplace_reuse_despite_input_writes():
+                yield
 
 
 def tracing_settings() -> contextlib.AbstractContextManager:
@@ -142,6 +151,24 @@ def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choo
     return torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend)
 
 
+@contextlib.contextmanager
+def _older_objects_frozen():
+    """Python's garbage collector skips the objects that exist on entry until exit (``gc.freeze``),
+    unless the process froze objects of its own. A compile creates hundreds of thousands of short-
+    lived objects, which trigger full collections, and ``release_compile_garbage`` runs two more:
+    with the process's older objects (torch's modules, the model, the data) frozen, each of these
+    scans only what the compile made. Older objects that become garbage meanwhile are collected
+    after exit."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def call_compiled(compiled: Callable) -> Callable:
     """``compiled`` (a ``compile_graph`` result) called with ``tracing_settings()`` held only on the
     calls where Dynamo traces: the first call, and a later call that recompiles.
@@ -161,7 +188,7 @@ def call_compiled(compiled: Callable) -> Callable:
                 return compiled(*args, **kwargs)
             except torch._dynamo.exc.Unsupported:
                 pass
-        with tracing_settings():
+        with tracing_settings(), _older_objects_frozen():
             out = compiled(*args, **kwargs)
         traced = True
         return out
