@@ -32,15 +32,17 @@ def tiny_yaml(tmp_path, monkeypatch):
     return str(path)
 
 
-def test_yaml_plus_override_trains_logs_and_reloads(tiny_yaml, tmp_path, capsys):
+def test_yaml_plus_override_trains_logs_and_reloads(tiny_yaml, tmp_path, capsys, recwarn):
     argv = ["--config", tiny_yaml, "--run.name", "e2e", "--run.sample-tokens", "16", "--log.tensorboard"]
     counters.clear()
     train_main(argv)
     run_dir = str(tmp_path / "runs" / "e2e")
     out = capsys.readouterr().out + capsys.readouterr().err
 
-    # Compiled once each: the train step and the eval step, with no graph breaks and no recompiles.
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    # The train step and the eval step, each traced once (or loaded from an earlier run's saved
+    # step: traced zero times), with no graph breaks and no recompiles.
+    assert counters["stats"]["unique_graphs"] <= 2 and not counters["graph_break"]
+    assert not [w for w in recwarn if "precompiled step" in str(w.message)]
 
     records = read_log(os.path.join(run_dir, "log.jsonl"))
     train = [r for r in records if r["kind"] == "train"]

@@ -251,6 +251,10 @@ class RunConfig:
     launch, NCCL between processes), 'cpu' (gloo), or 'auto' (cuda when a GPU is visible)."""
     compile: bool = True
     """Compile the train and eval steps with torch.compile."""
+    precompile: bool = True
+    """With compile on one process: save each compiled step whole (torch's precompile) beside
+    Inductor's cache, and load it in a restarted or resumed job instead of tracing it again
+    (``lmfunc.compiler.precompiled_step``). A distributed job compiles the ordinary way."""
     sample_prompt: str = "The "
     """Prompt of the text sample printed at the end of training."""
     sample_tokens: int = 200

@@ -22,7 +22,7 @@ from lmfunc.loss import LossOutput, lm_loss
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tree, update_loss_scale
-from lmfunc.compiler import compile_step
+from lmfunc.compiler import compile_step, precompiled_step
 from lmfunc.train.state import TrainState
 from lmfunc.parallel.sharding import match_placements
 from lmfunc.tree import PyTree, flatten_with_paths, tree_leaves, tree_map, tree_unflatten_as
@@ -69,11 +69,16 @@ def full_metrics(metrics: Metrics) -> Metrics:
 
 def _callable_step(
     fn: Callable, compile: bool, backend: Union[str, Callable], before: Optional[Callable] = None,
+    precompile: bool = False,
 ) -> Callable:
     """The one wrapper a step call passes through: ``before(first_arg)`` (a check, when given),
-    then ``fn`` (``compile_step`` when asked) inside ``distributed_context`` of the first
-    argument's params, entered outside the compiled region: Dynamo cannot trace it."""
-    inner = compile_step(fn, backend) if compile else fn
+    then ``fn`` (``compile_step`` when asked, ``precompiled_step`` when also ``precompile`` and the
+    backend is Inductor) inside ``distributed_context`` of the first argument's params, entered
+    outside the compiled region: Dynamo cannot trace it."""
+    if compile and precompile and backend == "inductor":
+        inner = precompiled_step(fn)
+    else:
+        inner = compile_step(fn, backend) if compile else fn
 
     def step(state_or_params, batch):
         if before is not None:
@@ -87,10 +92,11 @@ def _callable_step(
 
 def make_eval_step(
     cfg: ModelConfig, loss_fn: LossFn = lm_loss, compute_dtype: torch.dtype = torch.float32,
-    compile: bool = True, backend: Union[str, Callable] = "inductor",
+    compile: bool = True, backend: Union[str, Callable] = "inductor", precompile: bool = False,
 ) -> Callable[..., Metrics]:
     """``eval_step(params, batch) -> {"loss_sum", "num_tokens"}`` over all microbatches, no dropout,
-    in ``compute_dtype`` (the main next-token loss only, as Megatron's evaluation)."""
+    in ``compute_dtype`` (the main next-token loss only, as Megatron's evaluation); ``compile``,
+    ``backend`` and ``precompile`` as for ``make_train_step``."""
 
     def eval_step(params, batch: Batch) -> Metrics:
         params = cast_params(params, compute_dtype)
@@ -101,7 +107,7 @@ def make_eval_step(
             loss_sum, num_tokens = loss_sum + out.loss_sum, num_tokens + out.num_tokens
         return full_metrics({"loss_sum": loss_sum, "num_tokens": num_tokens})
 
-    return _callable_step(eval_step, compile, backend)
+    return _callable_step(eval_step, compile, backend, precompile=precompile)
 
 
 def make_train_step(
@@ -117,6 +123,7 @@ def make_train_step(
     compile: bool = True,
     backend: Union[str, Callable] = "inductor",
     donate_state: bool = False,
+    precompile: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build ``step(state, batch) -> (state, metrics)``.
 
@@ -135,6 +142,8 @@ def make_train_step(
         ``TrainState.create(..., loss_scale=...)``. A step with non-finite gradients leaves the
         params and optimizer state untouched and counts as skipped.
     compile/backend: compile the whole step with ``torch.compile(fullgraph=True)`` and this backend.
+    precompile: with Inductor, save the compiled step whole on its first call and load it in a
+        restarted process instead of tracing it again (``lmfunc.compiler.precompiled_step``).
     donate_state: write the new params and optimizer state into the input state's tensors
         (JAX's ``donate_argnums``) and return a state holding those same tensors (0-dim
         leaves, the update counters, come back as new tensors). Compiled, the
@@ -224,7 +233,7 @@ def make_train_step(
         return new_state, metrics
 
     check = (lambda state: check_no_shared_storage((state.params, state.opt_state))) if donate_state else None
-    return _callable_step(train_step, compile, backend, before=check)
+    return _callable_step(train_step, compile, backend, before=check, precompile=precompile)
 
 
 def _is_donated(leaf) -> bool:
