@@ -138,7 +138,7 @@ def test_two_runs_started_together_one_is_refused(tmp_path):
         second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     finally:
         first.terminate()
-        first.wait(timeout=120)
+        first.communicate(timeout=120)  # reads what it logs meanwhile: a full pipe would block it
     assert second.returncode == 2 and "Traceback" not in second.stderr
     assert f"pid {first.pid}" in second.stderr and "in use by another lmfunc run" in second.stderr
     ends = [r for r in read_log(tmp_path / "runs" / "d" / "log.jsonl") if r["kind"] == "end"]

@@ -25,6 +25,7 @@ import torch
 import torch._inductor
 
 from lmfunc.compiler import inplace_reuse
+from lmfunc.compiler.cpp_flags import gcc_flags_for_correct_kernels
 from lmfunc.compiler.recompute_pass import RematPass
 
 
@@ -98,12 +99,13 @@ def _inductor_settings():
     trace of the step as well as Inductor's. Both caches also take graphs with torch's ``scan``
     (``ModelConfig.scan_layers``), which torch 2.13 leaves out of them only because it has not
     opted that operator in: its body is a subgraph of the step's graph, hashed into the key like
-    any other node (``tests/test_scan_layers.py`` checks that a changed body misses)."""
+    any other node (``tests/test_scan_layers.py`` checks that a changed body misses). GCC compiles
+    the kernels with the flags that keep them correct (``lmfunc.compiler.cpp_flags``)."""
     with torch._functorch.config.patch(
         remat_using_tags_for_fwd_loss_bwd_graph=False, autograd_cache_allow_custom_autograd_functions=True
     ):
         with torch._inductor.config.patch(unsafe_marked_cacheable_functions=_CACHEABLE_OPERATORS):
-            with inplace_reuse.inplace_reuse_despite_input_writes():
+            with inplace_reuse.inplace_reuse_despite_input_writes(), gcc_flags_for_correct_kernels():
                 yield
 
 

@@ -179,7 +179,7 @@ def _discarded_tracing_context():
 def _load(path: Path, fn: Callable, args: tuple) -> Optional[Any]:
     """The step saved at ``path`` if it loads and its guards accept ``args``, else None (warned)."""
     try:
-        with open(path, "rb") as file, _discarded_tracing_context():
+        with open(path, "rb") as file, _discarded_tracing_context(), _inductor_settings():
             loaded = torch.compiler.load_compiled_function(file, f_globals=fn.__globals__)
     except Exception as error:  # a damaged or incompatible file: compile again, and replace it
         _warn(f"{path} could not be loaded ({type(error).__name__}: {error}); compiling the step again")
