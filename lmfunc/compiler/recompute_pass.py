@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import cleanup_recompute_tags, must_recompute
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from lmfunc.compiler import inplace_reuse, saved_values
+from lmfunc.compiler import cpp_flags, inplace_reuse, saved_values
 from lmfunc.compiler.saved_values import is_backward, tag_recompute
 
 
@@ -123,7 +123,10 @@ def rematerialize(graph: fx.Graph, choose: bool = True) -> None:
 
 
 class RematPass(CustomGraphPass):
-    """``rematerialize`` as an Inductor ``post_grad_custom_pre_pass``."""
+    """``rematerialize`` as an Inductor ``post_grad_custom_pre_pass``. Its ``uuid`` is in the key
+    of Inductor's and AOTAutograd's caches: it hashes the sources of everything lmfunc changes in
+    a compile (this pass, the saved-value choice, the in-place reuse patch and the C++ compiler
+    flags), so a cached step compiled under other versions of them is not reused."""
 
     def __init__(self, choose: bool = True):
         self.choose = choose
@@ -132,5 +135,6 @@ class RematPass(CustomGraphPass):
         rematerialize(graph, self.choose)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, saved_values.__file__, inplace_reuse.__file__)) + bytes([self.choose])
+        sources = (__file__, saved_values.__file__, inplace_reuse.__file__, cpp_flags.__file__)
+        return get_hash_for_files(sources) + bytes([self.choose])
 
