@@ -1,20 +1,23 @@
 """A compiled step saved whole, so that a restarted job skips Dynamo's trace (torch's precompile).
 
 Inductor's and AOTAutograd's caches spare a restarted job the code generation (``compiling``), but
-every process still traces the step with Dynamo, which is most of a warm restart (3-4 s of the
-default job's first step). torch 2.13's ``aot_compile`` keeps what that trace produced (the step's
-rewritten bytecode, the guards on its arguments and the compiled graph) and
-``torch.compiler.load_compiled_function`` restores it in another process.
+every process still traces the step with Dynamo, the larger part of a warm restart. torch 2.13's
+``aot_compile`` keeps what that trace produced (the step's rewritten bytecode, the guards on its
+arguments and the compiled graph) and ``torch.compiler.load_compiled_function`` restores it in
+another process.
 
 A loaded step is the step as it was traced: the values its code closed over (the model config,
 the optimizer's hyperparameters, the lr schedule) and the code of every function it called are
-baked into it, and its guards check only the arguments. So the file is found by a key
-(``step_key``) that hashes all of these: the step function with its closure, serialised the way
-torch serialises it (nested functions by their code and closure, down to the last value); lmfunc's
-source files, for the functions it refers to by module and name; the source file of any other
-module, outside torch and the standard library, that it refers to that way; the arguments' tree
-structure, shapes, strides, dtypes and devices; the torch and Python versions and torch's
-compiler settings. A changed value, source or setting is another key, so another file.
+baked into it, and its guards check only the arguments and torch's global state. So the file is
+found by a key (``step_key``) that hashes all of these: the step function with its closure,
+serialised the way torch serialises it (nested functions by their code and closure, down to the
+last value) together with the code of the functions it names; every lmfunc source file; the
+sources of the loaded modules outside installed packages (the user's own); the arguments' tree
+structure, shapes, strides, dtypes and devices; the torch and Python versions, torch's compiler
+settings and thread count (``_code_digest``, ``_settings_signature``). A changed value, source or
+setting is another key, so another file. A function replaced at run time inside a module that
+the step reaches only through that module's globals (a monkeypatch) is not seen: code that does
+this compiles with ``compile_step``.
 
 Whatever goes wrong (a file that does not load, arguments its guards refuse, a trace that
 ``aot_compile`` cannot save, a save that fails) falls back to ``compile_step``'s ordinary compile
