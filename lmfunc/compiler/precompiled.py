@@ -208,10 +208,13 @@ def _compile_and_save(fn: Callable, args: tuple, choose_saved: bool, path: Path)
         return None
     finally:
         release_compile_garbage()
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another job may load `path` meanwhile
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        saved.save_compiled_function(str(path))
+        saved.save_compiled_function(str(partial))
+        os.replace(partial, path)
     except Exception as error:  # the step is compiled; only the next restart pays for this
+        partial.unlink(missing_ok=True)
         _warn(f"could not save {path} ({type(error).__name__}: {error}); a restart will compile the step again")
     saved.disable_guard_check()
     return saved
