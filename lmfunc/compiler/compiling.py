@@ -133,6 +133,11 @@ def with_own_code(fn: Callable) -> Callable:
     return functools.update_wrapper(copy, fn)
 
 
+def inductor_options(choose_saved: bool) -> dict[str, Any]:
+    """The Inductor config options of every lmfunc compile: the recompute pass on the step's graph."""
+    return {"post_grad_custom_pre_pass": RematPass(choose_saved)}
+
+
 def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
     """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass; call the
     result through ``call_compiled`` (``compile_step`` does both).
@@ -149,7 +154,7 @@ def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choo
         (``lmfunc.compiler.saved_values``); False keeps every forward value a backward op reads.
     """
     if backend == "inductor":
-        backend = _inductor_on_first_call({"post_grad_custom_pre_pass": RematPass(choose_saved)})
+        backend = _inductor_on_first_call(inductor_options(choose_saved))
     return torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend)
 
 

@@ -43,9 +43,9 @@ from torch._dynamo.aot_compile import AOTCompilePickler
 from torch.utils import _pytree as pytree
 
 from lmfunc.compiler.compiling import (
-    _inductor_settings, _older_objects_frozen, compile_step, release_compile_garbage, tracing_settings,
+    _inductor_settings, _older_objects_frozen, compile_step, inductor_options, release_compile_garbage,
+    tracing_settings,
 )
-from lmfunc.compiler.recompute_pass import RematPass
 
 _LMFUNC_ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,7 +198,7 @@ def _compile_and_save(fn: Callable, args: tuple, choose_saved: bool, path: Path)
     """``fn`` compiled for ``args`` by ``aot_compile`` and saved at ``path``; None (warned) when
     torch cannot compile it that way."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor",
-                             options={"post_grad_custom_pre_pass": RematPass(choose_saved)})
+                             options=inductor_options(choose_saved))
     try:
         with tracing_settings(), _older_objects_frozen(), _inductor_settings():
             saved = compiled.aot_compile((args, {}))
