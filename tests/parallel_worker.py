@@ -1,9 +1,10 @@
 """One multi-rank parity run, launched by tests/test_parallel.py with torchrun.
 
-Usage: torchrun --nproc-per-node N tests/parallel_worker.py LAYOUT OUT.json [--compile] [--sp]
+Usage: torchrun --nproc-per-node N tests/parallel_worker.py LAYOUT OUT.json [--compile] [--sp] [--mtp]
 LAYOUT is e.g. ``dp_shard=2`` or ``dp_shard=2,tp=2``. Trains the tiny model (with one MTP depth
 and fp32) for 5 steps on the mesh and, in the same process, on plain tensors; rank 0 writes the
-per-step losses, the initial and final parameter errors (per-leaf relative L2) and graph counts.
+per-step losses, the initial and final parameter errors (per-leaf relative L2), graph counts and,
+compiled, the collectives one more step issues.
 """
 
 import dataclasses
@@ -11,9 +12,10 @@ import json
 import sys
 
 import torch
-import torch._dynamo.testing
+import torch._dynamo.utils
 import torch.distributed as dist
 
+from experiments.bench.comm import count_step_collectives
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import adamw
@@ -50,8 +52,7 @@ def main() -> None:
 
     params = init_params(cfg, layout.mesh, seed=0)
     init_error = relative_errors(full_tensors(params), model.init(cfg, seed=0))
-    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    step = make_train_step(cfg, tx, compile=compiled, backend=counter)
+    step = make_train_step(cfg, tx, compile=compiled)  # Inductor with lmfunc's passes, collective bucketing included
     state = TrainState.create(params, tx)
     dp, rank = layout.data_parallel_size, data_parallel_rank(layout)
     torch._dynamo.utils.counters.clear()
@@ -61,6 +62,8 @@ def main() -> None:
         local = {k: v[:, rank * per:(rank + 1) * per].contiguous() for k, v in batch.items()}
         state, metrics = step(state, local_batch_to_dtensor(local, layout.mesh))
         losses.append(float(metrics["loss"]))
+    collectives = (count_step_collectives(lambda: step(state, local_batch_to_dtensor(local, layout.mesh)))
+                   if compiled else None)
     final_error = relative_errors(full_tensors(state.params), reference.params)
     moments = full_tensors(state.opt_state[0].mu)
     placements = sorted({str(tuple(p.placements)) for _, p in flatten_with_paths(state.params)})
@@ -69,8 +72,8 @@ def main() -> None:
             json.dump({
                 "losses": losses, "reference_losses": reference_losses, "init_error": init_error,
                 "final_error": final_error, "moment_error": relative_errors(moments, reference.opt_state[0].mu),
-                "frames": counter.frame_count, "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-                "placements": placements,
+                "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"], "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+                "placements": placements, "collectives": collectives,
             }, f)
     dist.barrier()
     dist.destroy_process_group()

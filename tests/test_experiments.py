@@ -75,6 +75,18 @@ def test_compile_depth_study_quick(tmp_path):
     assert (tmp_path / "compile_depth.png").exists()
 
 
+@pytest.mark.slow
+def test_scaling_study_quick(tmp_path):
+    """Bucketed, every data-parallel layout issues fewer collectives per step than per leaf, and
+    each run's profile was read."""
+    rows = run_quick("scaling", tmp_path)["rows"]
+    for layout in ("dp_shard2", "dp_replicate2"):
+        bucketed, per_leaf = rows[layout]["collectives"], rows[f"{layout}_per_leaf"]["collectives"]
+        assert sum(bucketed.values()) < sum(per_leaf.values()), (layout, bucketed, per_leaf)
+    assert rows["dp_shard2"]["collectives"]["all_gather_into_tensor"] == 4  # tiny: embed, 2 blocks, head
+    assert all(row["step_ms"] > 0 for row in rows.values())
+
+
 def test_a_folder_the_harness_did_not_write_is_never_deleted(tmp_path):
     """``--out`` pointing at a folder with a user's ``runs/NAME``: the study refuses and deletes nothing."""
     from experiments.harness import Options, Run, run_training

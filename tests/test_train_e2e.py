@@ -116,6 +116,23 @@ def test_exit_duration_stops_early(tiny_yaml, tmp_path):
     assert end["exit_reason"] == "exit_duration_in_mins" and end["step"] == 1
 
 
+def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tiny_yaml, tmp_path, capsys):
+    train_main(["--config", tiny_yaml, "--run.name", "prof", "--run.no-compile", "--run.train-iters", "4", "--optim.lr-warmup-iters", "1",
+                "--run.eval-iters", "0", "--run.sample-tokens", "0", "--log.profile", "--log.profile-step-start", "2",
+                "--log.profile-step-end", "4"])
+    path = tmp_path / "runs" / "prof" / "profile" / "rank0_steps2-3.json"
+    assert f"profile of steps 2-3 written to {path}" in capsys.readouterr().out
+    names = [event.get("name") for event in json.loads(path.read_text())["traceEvents"]]
+    assert names.count("aten::mm") > 0 and "aten::_foreach_add" in " ".join(map(str, names))
+    assert os.listdir(path.parent) == [path.name]
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--log.profile", "--log.profile-step-start", "3", "--log.profile-step-end", "3"])
+    assert "log.profile_step_start (3) must be at least 1 and below log.profile_step_end (3)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--config", tiny_yaml, "--log.profile", "--log.profile-ranks", "0", "1"])
+    assert "log.profile_ranks [0, 1]: rank(s) [1] do not exist in a world of 1 process(es)" in capsys.readouterr().err
+
+
 def test_bad_settings_exit_with_a_message(tiny_yaml, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_main(["--config", tiny_yaml, "--run.global-batch-size", "6"])

@@ -17,14 +17,26 @@ embedding twice):
   with FSDP too (dp_shard x tp), FSDP's reduce-scatter of each one's gradient first all-reduces
   it over tp, inside the backward (2L + 1 all-reduces); on a tp-only mesh that all-reduce happens
   after the backward, when the step matches the gradients' placements to the parameters'.
+
+The compiled train step buckets them (``lmfunc.compiler.collective_buckets``). Expected for one
+step of M microbatches (no MTP, no tp):
+- FSDP: per microbatch one all-gather per region (embed, each block, head): L + 2; one
+  reduce-scatter per region's gradients: L + 2, plus 1 with tied embeddings (the embedding's
+  gradient from the output head comes at the start of the backward, its lookup's at the end),
+  less the M - 1 pairs where one microbatch's last reduction and the next's first (both the tied
+  embedding's) form one bucket. All-reduces: the global gradient norm over the shards.
+- DDP (dp_replicate): the gradients in buckets of ``bucket_size_mb`` (one bucket for these
+  models).
+- With a loss mask, one more all-reduce: the step's token count.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.profiler import ProfilerActivity, profile
 from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config import ModelConfig
@@ -65,6 +77,34 @@ def expected_counts(cfg: ModelConfig, sizes: dict[str, int]) -> Optional[dict[st
             backward["all_reduce"] += 2 * layers + 1
             backward["all_gather_into_tensor"] += 2
     return {"forward": forward, "forward+backward": forward + backward}
+
+
+def expected_compiled_counts(cfg: ModelConfig, sizes: dict[str, int], microbatches: int,
+                             loss_mask: bool) -> Optional[dict[str, int]]:
+    """Collectives of one compiled train step (module docstring), or None where lmfunc makes no
+    prediction (tp, MTP, more than one gradient bucket)."""
+    if cfg.mtp_num_layers or sizes.get("tp", 1) > 1:
+        return None
+    regions = cfg.num_layers + 2
+    counts = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": int(loss_mask)}
+    if sizes.get("dp_shard", 1) > 1:
+        counts["all_gather_into_tensor"] = microbatches * regions
+        tied = int(cfg.tie_embeddings)
+        counts["reduce_scatter_tensor"] = microbatches * (regions + tied) - tied * (microbatches - 1)
+        counts["all_reduce"] += 1
+    if sizes.get("dp_replicate", 1) > 1:
+        counts["all_reduce"] += 1
+    return counts
+
+
+def count_step_collectives(call: Callable[[], object]) -> dict[str, int]:
+    """The collectives ``call()`` issues on this rank, by kind, from the profiler's host events
+    (``_c10d_functional`` ops; an ``_out`` variant counts as its op)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    counts = Counter(event.name.split("::", 1)[1].removesuffix("_out").rstrip("_") for event in prof.events()
+                     if event.name.startswith("_c10d_functional::"))
+    return {kind: counts.get(kind, 0) for kind in KINDS}
 
 
 def _counts(mode: CommDebugMode) -> Counter:

@@ -58,7 +58,10 @@ class BenchConfig:
     """Also write the results to this JSON file."""
     comm: Optional[str] = None
     """Instead of timing: count the collectives of one microbatch on this layout ('dp_shard=2',
-    'tp=2', 'dp_shard=2,tp=2'; launch with torchrun) next to the expected numbers."""
+    'tp=2', 'dp_shard=2,tp=2'; launch with torchrun) next to the expected numbers, eager and in
+    the compiled train step."""
+    comm_compiled: bool = True
+    """With --comm: also compile the train step and count its (bucketed) collectives."""
     sequence_parallel: bool = False
     """With --comm and tp: sequence parallelism."""
     worker: Optional[str] = None

@@ -30,11 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import tyro
 
 from experiments.bench import paired as bench_paired
-from experiments.bench.comm import expected_counts, format_report, measure_counts
+from experiments.bench.comm import (
+    count_step_collectives, expected_compiled_counts, expected_counts, format_report, measure_counts,
+)
 from experiments.bench.config import VARIANTS, BenchConfig
 from experiments.bench.workload import make_step, model_config
 
@@ -117,6 +120,25 @@ def _reset_peak_rss() -> None:
         pass
 
 
+def _compiled_step_counts(cfg, params, local: dict, layout) -> tuple[dict, Optional[dict]]:
+    """Collectives of the compiled train step (AdamW, one microbatch) after a warm-up call, and
+    the expected ones."""
+    from lmfunc.optim import adamw
+    from lmfunc.parallel.sharding import local_batch_to_dtensor
+    from lmfunc.train import TrainState, make_train_step
+
+    tx = adamw(1e-4)
+    step = make_train_step(cfg, tx)
+    holder = {"state": TrainState.create(params, tx)}
+    batch = local_batch_to_dtensor(local, layout.mesh)
+
+    def call():
+        holder["state"], _ = step(holder["state"], batch)
+
+    call()
+    return count_step_collectives(call), expected_compiled_counts(cfg, layout.sizes, microbatches=1, loss_mask=False)
+
+
 def run_comm_report(bc: BenchConfig) -> None:
     """``--comm``: the comm report of the benchmark model on ``bc.comm``'s mesh (rank 0 prints)."""
     import dataclasses as dc
@@ -145,6 +167,10 @@ def run_comm_report(bc: BenchConfig) -> None:
     micro = {k: v[0] for k, v in local_batch_to_dtensor(local, layout.mesh).items()}
     measured = measure_counts(params, micro, cfg)
     expected = expected_counts(cfg, layout.sizes)
+    if bc.comm_compiled:
+        measured["compiled step"], expected_step = _compiled_step_counts(cfg, params, local, layout)
+        if expected is not None or expected_step is not None:
+            expected = {**(expected or {}), "compiled step": expected_step}
     if dist.get_rank() == 0:
         print(f"comm report: layout {bc.comm}{' + SP' if bc.sequence_parallel else ''}, layers={bc.layers} "
               f"hidden={bc.hidden} batch={bc.batch} seq={bc.seq}, one microbatch")

@@ -19,13 +19,14 @@ import ctypes
 import functools
 import gc
 import types
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch._inductor
 
 from lmfunc.compiler import inplace_reuse
 from lmfunc.compiler.cpp_flags import gcc_flags_for_correct_kernels
+from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB, CollectiveBucketsPass
 from lmfunc.compiler.recompute_pass import RematPass
 
 
@@ -133,12 +134,18 @@ def with_own_code(fn: Callable) -> Callable:
     return functools.update_wrapper(copy, fn)
 
 
-def inductor_options(choose_saved: bool) -> dict[str, Any]:
-    """The Inductor config options of every lmfunc compile: the recompute pass on the step's graph."""
-    return {"post_grad_custom_pre_pass": RematPass(choose_saved)}
+def inductor_options(choose_saved: bool, bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB) -> dict[str, Any]:
+    """The Inductor config options of every lmfunc compile: the recompute pass on the step's
+    graph, then the bucketing and overlap of its collectives (``collective_buckets``; all-reduce
+    buckets of at most ``bucket_size_mb`` MiB; None: no such pass)."""
+    options: dict[str, Any] = {"post_grad_custom_pre_pass": RematPass(choose_saved)}
+    if bucket_size_mb is not None:
+        options["post_grad_custom_post_pass"] = CollectiveBucketsPass(bucket_size_mb)
+    return options
 
 
-def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
+def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True,
+                  bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB) -> Callable:
     """``torch.compile(fn, fullgraph=True, dynamic=False)`` with lmfunc's recompute pass; call the
     result through ``call_compiled`` (``compile_step`` does both).
 
@@ -152,9 +159,11 @@ def compile_graph(fn: Callable, backend: Union[str, Callable] = "inductor", choo
     (recompute tags are then ignored: numerically the same, more memory).
     choose_saved: recompute cheap forward ops in the backward where that keeps fewer bytes
         (``lmfunc.compiler.saved_values``); False keeps every forward value a backward op reads.
+    bucket_size_mb: the largest data-parallel all-reduce bucket (``collective_buckets``); None
+        leaves the collectives unbucketed.
     """
     if backend == "inductor":
-        backend = _inductor_on_first_call(inductor_options(choose_saved))
+        backend = _inductor_on_first_call(inductor_options(choose_saved, bucket_size_mb))
     return torch.compile(with_own_code(fn), fullgraph=True, dynamic=False, backend=backend)
 
 
@@ -203,7 +212,8 @@ def call_compiled(compiled: Callable) -> Callable:
     return call
 
 
-def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True) -> Callable:
+def compile_step(fn: Callable, backend: Union[str, Callable] = "inductor", choose_saved: bool = True,
+                 bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB) -> Callable:
     """``call_compiled(compile_graph(fn, backend, choose_saved))``: the way to compile any function
     that differentiates with ``lmfunc.grad.value_and_grad``."""
-    return call_compiled(compile_graph(fn, backend, choose_saved))
+    return call_compiled(compile_graph(fn, backend, choose_saved, bucket_size_mb))

@@ -74,6 +74,14 @@ class ParallelConfig:
     virtual_stages: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved schedules); planned by ``python -m lmfunc.plan``,
     not trainable yet."""
+    bucket_collectives: bool = True
+    """Compiled steps: gather FSDP parameters and reduce-scatter their gradients once per model
+    region (embedding, each block, head), prefetching the next region's parameters, and all-reduce
+    DDP gradients in buckets, overlapped with the backward (lmfunc.compiler.collective_buckets).
+    Off: one collective per parameter use, each waited for at once (for comparison)."""
+    bucket_size_mb: float = 40.0
+    """Largest bucket, in MiB, of the data-parallel gradient all-reduces (dp_replicate) in the
+    compiled step (Megatron's --ddp-bucket-size, counted in MiB here)."""
 
     def sizes(self, world_size: int) -> dict[str, int]:
         """Mesh sizes by name (``MESH_DIMS`` order) with a -1 resolved against ``world_size``."""

@@ -212,6 +212,15 @@ class LogConfig:
     max/min over ranks with the slowest rank (Megatron's --timing-log-level): 0 off; 1 data wait,
     step, evaluation, checkpoint save (blocking part) and logging; 2 also the step's host and
     device parts."""
+    profile: bool = False
+    """Run the PyTorch profiler over steps profile_step_start <= step < profile_step_end and write a
+    Chrome trace per profiled rank to RUN_DIR/profile (Megatron's --profile)."""
+    profile_step_start: int = 10
+    """First profiled step (Megatron's --profile-step-start)."""
+    profile_step_end: int = 12
+    """The step after the last profiled one (Megatron's --profile-step-end)."""
+    profile_ranks: tuple[int, ...] = (0,)
+    """Global ranks that profile (Megatron's --profile-ranks)."""
     peak_flops: Optional[float] = None
     """Peak FLOP/s of one process's device for MFU (multiplied by the process count); None measures an fp32 matmul peak at start."""
 

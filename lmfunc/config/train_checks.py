@@ -149,6 +149,7 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
              "not take the DTensor parameters of a parallel layout yet; turn it off (--model.no-scan-layers) "
              "for multi-process runs")
     _validate_batch(run, cfg.parallel.data_parallel_size(world_size))
+    _require(cfg.parallel.bucket_size_mb > 0, f"parallel.bucket_size_mb must be positive, got {cfg.parallel.bucket_size_mb}")
     _validate_length(cfg)
     _positive(data.seq_length, "data.seq_length")
     per_split = data.train_path is not None or data.valid_path is not None or data.test_path is not None
@@ -176,6 +177,13 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     _require(log.grad_underflow_interval is None or log.grad_underflow_interval > 0,
              f"log.grad_underflow_interval must be positive (or unset), got {log.grad_underflow_interval}")
     _require(log.timers in (0, 1, 2), f"log.timers must be 0, 1 or 2, got {log.timers}")
+    if log.profile:
+        _require(1 <= log.profile_step_start < log.profile_step_end,
+                 f"log.profile_step_start ({log.profile_step_start}) must be at least 1 and below "
+                 f"log.profile_step_end ({log.profile_step_end})")
+        bad = [r for r in log.profile_ranks if not 0 <= r < world_size]
+        _require(not bad, f"log.profile_ranks {list(log.profile_ranks)}: rank(s) {bad} do not exist in a world of "
+                          f"{world_size} process(es); name ranks 0..{world_size - 1}")
     _require(log.peak_flops is None or log.peak_flops > 0, f"log.peak_flops must be positive, got {log.peak_flops}")
     _positive(run.eval_interval, "run.eval_interval")
     _require(run.eval_iters >= 0, f"run.eval_iters must be >= 0, got {run.eval_iters}")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from lmfunc.config import ModelConfig
 from lmfunc.model import layers
 from lmfunc.model.recompute import checkpointed
-from lmfunc.parallel.placement import compute_layout, embedding_lookup, gather, residual_layout
+from lmfunc.parallel.placement import compute_layout, embedding_lookup, gather, region, residual_layout
 from lmfunc.tree import Axes, tree_map, tree_map_with_path
 
 LAYER_AXIS = "layers"
@@ -242,7 +242,8 @@ def forward(
     seq = tokens.shape[1]
     if positions is None:
         positions = torch.arange(seq, device=tokens.device)
-    x, rope = embed(params, tokens, positions, cfg)
+    with region("embed"):
+        x, rope = embed(params, tokens, positions, cfg)
     x = layers.dropout(residual_layout(x, cfg.sequence_parallel), cfg.hidden_dropout, dropout_seed, 1)
     mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
     run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
@@ -250,8 +251,10 @@ def forward(
         x = _scan_blocks(run_block, params["layers"], x, cfg, rope, mask, dropout_seed)
     else:
         for i in range(cfg.num_layers):
-            x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
-    return compute_layout(layers.norm(params["final_norm"], x, cfg))
+            with region(f"layers.{i}"):
+                x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
+    with region("head"):
+        return compute_layout(layers.norm(params["final_norm"], x, cfg))
 
 
 def _scan_blocks(run_block, stacked: Params, x: torch.Tensor, cfg: ModelConfig, rope, mask,
@@ -290,7 +293,8 @@ def unstack_layers(params: Params, num_layers: int) -> Params:
 
 def output_weight(params: Params, cfg: ModelConfig) -> torch.Tensor:
     """The ``[h, V]`` output projection (the transposed token embedding when tied)."""
-    return gather(params["embed"]["tokens"]).t() if cfg.tie_embeddings else gather(params["output"])
+    with region("head"):
+        return gather(params["embed"]["tokens"]).t() if cfg.tie_embeddings else gather(params["output"])
 
 
 def logits(params: Params, hidden: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -4,7 +4,9 @@
 dims; tensor-parallel shards kept). ``run_local(fn, ...)``: run a kernel that has no DTensor
 sharding rule (CPU attention) on each rank's local shards; every input must be split only along
 dims the kernel treats independently (batch, heads), so the local gradients are already the
-right shards.
+right shards. ``region(name)``: marks the graph nodes a model region traces (``embed``,
+``layers.<i>``, ``head``), which the compiler's collective pass buckets by
+(``lmfunc.compiler.collective_buckets``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,20 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
+from torch.fx.traceback import annotate
 
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+REGION_KEY = "lmfunc_region"
+"""Key of the region mark in a traced node's ``meta["custom"]``."""
+
+
+@contextlib.contextmanager
+def region(name: str):
+    """Mark what is traced inside as model region ``name`` (``torch.fx.traceback.annotate``); a
+    no-op for eager execution. The parameters a region gathers are gathered in one collective
+    when compiled."""
+    with annotate({REGION_KEY: name}):
+        yield
 
 
 def compute_placements(placements: Sequence[Placement], mesh) -> list[Placement]:

@@ -39,6 +39,7 @@ from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
 from lmfunc.train.params import init_params, place_params
+from lmfunc.train.profiling import StepProfiler
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
 from lmfunc.train.skipped_steps import first_step_overflow, mostly_skipped
@@ -171,6 +172,7 @@ class _Run:
         self.checkpoints: Optional[RunCheckpoints] = None
         self.loader: Optional[PrefetchLoader] = None
         self.stop: Optional[StopRequests] = None
+        self.profiler: Optional[StepProfiler] = None
 
     # Phase 1: setup.
     def setup(self) -> None:
@@ -195,6 +197,8 @@ class _Run:
             if lock.taken_over:
                 self.logger.echo(lock.taken_over)
         self.logger.echo("resolved config:\n" + config_yaml(cfg).rstrip())
+        self.profiler = StepProfiler(cfg.log, dist.get_rank() if dist.is_initialized() else 0, self.paths.run_dir,
+                                     self.layout.device, self.logger.echo)
         # From here on a first Ctrl-C or SIGTERM means: stop after the (first) step, with a checkpoint.
         self.stop = StopRequests(cfg.checkpoint.exit_signal_handler,
                                  None if run.exit_duration_in_mins is None else 60 * run.exit_duration_in_mins,
@@ -262,7 +266,7 @@ class _Run:
         self.train_step = make_train_step(
             cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule, compute_dtype=dtype,
             loss_scale=loss_scale, calculate_per_token_loss=run.calculate_per_token_loss, compile=run.compile,
-            donate_state=True, precompile=precompile,
+            donate_state=True, precompile=precompile, bucket_size_mb=cfg.parallel.bucket_size_mb if cfg.parallel.bucket_collectives else None,
         )
         self.eval_step = make_eval_step(cfg.model, compute_dtype=dtype, compile=run.compile, precompile=precompile)
 
@@ -281,6 +285,7 @@ class _Run:
         self.started = time.perf_counter()
         timers, batches = self.timers, iter(self.loader)
         for step in range(self.start_step + 1, self.train_iters + 1):
+            self.profiler.before_step(step)
             with timers.phase("data"):
                 item = next(batches, None)
             if item is None:
@@ -302,6 +307,7 @@ class _Run:
             with timers.phase("save"):
                 self.checkpoints.after_step(step, self.state)
             self.meter.pause(time.perf_counter() - began)
+            self.profiler.after_step(step)
             reason = "save_failed" if self.checkpoints.stop_requested else self.stop.should_stop()
             if reason is None and run.exit_interval is not None and step % run.exit_interval == 0:
                 reason = "exit_interval"
@@ -399,6 +405,7 @@ class _Run:
     def finish(self) -> RunResult:
         """The last save and evaluation, the weights, the sample and the end record."""
         cfg, step = self.cfg, self.step
+        self.profiler.finish()
         self.checkpoints.finish(step, self.state)
         failed = self.checkpoints.error
         finished = self.exit_reason in ("train_iters", "train_samples")
@@ -435,6 +442,8 @@ class _Run:
                 self.loader.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()
+            if self.profiler is not None:
+                self.profiler.finish()
             if self.logger is not None:
                 self.logger.close()
         finally:

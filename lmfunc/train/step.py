@@ -23,6 +23,7 @@ from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_n
 from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params, select_tree, update_loss_scale
 from lmfunc.compiler import compile_step, precompiled_step
+from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB
 from lmfunc.train.state import TrainState
 from lmfunc.parallel.sharding import match_placements
 from lmfunc.tree import PyTree, flatten_with_paths, tree_leaves, tree_map, tree_unflatten_as
@@ -69,7 +70,7 @@ def full_metrics(metrics: Metrics) -> Metrics:
 
 def _callable_step(
     fn: Callable, compile: bool, backend: Union[str, Callable], before: Optional[Callable] = None,
-    precompile: bool = False,
+    precompile: bool = False, bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB,
 ) -> Callable:
     """The one wrapper a step call passes through: ``before(first_arg)`` (a check, when given),
     then ``fn`` (``compile_step`` when asked, ``precompiled_step`` when also ``precompile`` and the
@@ -78,7 +79,7 @@ def _callable_step(
     if compile and precompile and backend == "inductor":
         inner = precompiled_step(fn)
     else:
-        inner = compile_step(fn, backend) if compile else fn
+        inner = compile_step(fn, backend, bucket_size_mb=bucket_size_mb) if compile else fn
 
     def step(state_or_params, batch):
         if before is not None:
@@ -124,6 +125,7 @@ def make_train_step(
     backend: Union[str, Callable] = "inductor",
     donate_state: bool = False,
     precompile: bool = False,
+    bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build ``step(state, batch) -> (state, metrics)``.
 
@@ -144,6 +146,9 @@ def make_train_step(
     compile/backend: compile the whole step with ``torch.compile(fullgraph=True)`` and this backend.
     precompile: with Inductor, save the compiled step whole on its first call and load it in a
         restarted process instead of tracing it again (``lmfunc.compiler.precompiled_step``).
+    bucket_size_mb: compiled, on a mesh: the largest bucket of the data-parallel gradient
+        all-reduces; FSDP's collectives are bucketed per transformer block
+        (``lmfunc.compiler.collective_buckets``). None leaves every collective as DTensor issues it.
     donate_state: write the new params and optimizer state into the input state's tensors
         (JAX's ``donate_argnums``) and return a state holding those same tensors (0-dim
         leaves, the update counters, come back as new tensors). Compiled, the
@@ -233,7 +238,8 @@ def make_train_step(
         return new_state, metrics
 
     check = (lambda state: check_no_shared_storage((state.params, state.opt_state))) if donate_state else None
-    return _callable_step(train_step, compile, backend, before=check, precompile=precompile)
+    return _callable_step(train_step, compile, backend, before=check, precompile=precompile,
+                          bucket_size_mb=bucket_size_mb)
 
 
 def _is_donated(leaf) -> bool:

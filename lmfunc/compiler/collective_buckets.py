@@ -1,0 +1,257 @@
+"""Bucketing and overlap of the step's data-parallel collectives, as an Inductor post-grad pass.
+
+With FSDP placements, DTensor gathers each parameter where a layer uses it and reduce-scatters its
+gradient in the backward: one all-gather and one reduce-scatter per parameter use, each waited
+for at once. This pass rewrites the compiled step's graph the way torchtitan's FSDP2 and
+SimpleFSDP run:
+
+- **per region**: the model marks its regions (``lmfunc.parallel.placement.region``: ``embed``,
+  ``layers.<i>``, ``head``). The all-gathers of one region's parameters become one all-gather
+  (Inductor's ``merge_all_gather_bucket``: the shards are copied into one buffer, gathered, and
+  split again), and the reduce-scatters of their gradients one reduce-scatter
+  (``merge_reduce_scatter_bucket``). A gradient's region is its parameter's: the reduce-scatter's
+  output is followed, through same-shape elementwise ops, to the optimizer update that reads the
+  parameter itself (the backward's nodes carry no region marks).
+- **prefetch**: region ``i + 1``'s all-gather is issued before the wait of region ``i``'s, so it
+  runs while region ``i`` computes; at most two regions' parameters are gathered at once.
+- **deferred waits**: region ``i``'s reduce-scatter is waited for only after region ``i - 1``'s
+  has been issued (backward order), so it runs during that region's backward; at most two
+  regions' full gradients are alive at once.
+- **all-reduces** (``dp_replicate``: the step's gradients) are merged into buckets of at most
+  ``bucket_size_mb`` MiB (Megatron's ``--ddp-bucket-size``) in the order their inputs are ready;
+  each is issued as soon as its last input is, and waited for where its result is first used.
+
+Gather and reduce-scatter buckets are runs of consecutive collectives (in graph order) of one
+region and one process group, so the collective order is the same on every rank. Only the tied
+embedding's two gradient reductions, one at the end of a microbatch's backward and one at the
+start of the next's, can form one run. The numbers do not change: a bucketed collective moves
+the same values and reduces each element over the same ranks.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.fx_passes.bucketing import (
+    is_all_gather_into_tensor,
+    is_all_reduce_tensor,
+    is_reduce_scatter_tensor,
+    is_wait_tensor,
+    merge_all_gather_bucket,
+    merge_all_reduce_bucket,
+    merge_reduce_scatter_bucket,
+)
+from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.utils._ordered_set import OrderedSet
+
+from lmfunc.parallel.placement import REGION_KEY
+
+DEFAULT_BUCKET_MB = 40.0
+"""Default largest data-parallel all-reduce bucket in MiB (``ParallelConfig.bucket_size_mb``)."""
+_FOLLOW_LIMIT = 400  # nodes visited per gradient while looking for its parameter
+
+
+def _region(node: fx.Node) -> Optional[str]:
+    custom = node.meta.get("custom")
+    return custom.get(REGION_KEY) if isinstance(custom, dict) else None
+
+
+def _gathered_placeholder(all_gather: fx.Node) -> Optional[fx.Node]:
+    """The graph input an all-gather gathers, through single-input ops (casts, views), or None
+    (an activation's all-gather)."""
+    x = all_gather.args[0]
+    while isinstance(x, fx.Node) and x.op == "call_function" and len(x.all_input_nodes) == 1:
+        x = x.all_input_nodes[0]
+    return x if isinstance(x, fx.Node) and x.op == "placeholder" else None
+
+
+def _shape(node: fx.Node) -> Optional[tuple]:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _elementwise_steps(node: fx.Node, shape: tuple) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """Where ``node``'s value goes elementwise: ``(successor, what it is combined with)`` for each
+    same-shape user, and for a foreach op the output at ``node``'s position in its lists (with the
+    other lists' items at that position)."""
+    steps = []
+    for user in node.users:
+        if isinstance(user.meta.get("val"), (list, tuple)):
+            lists = [arg for arg in user.args if isinstance(arg, (list, tuple))]
+            for position in {i for arg in lists for i, item in enumerate(arg) if item is node}:
+                partners = [arg[position] for arg in lists if isinstance(arg[position], fx.Node)]
+                steps += [(out, partners) for out in user.users
+                          if out.target is operator.getitem and out.args[1] == position and _shape(out) == shape]
+        elif _shape(user) == shape:
+            steps.append((user, user.all_input_nodes))
+    return steps
+
+
+def _gradient_region(reduce_scatter: fx.Node, regions: dict[fx.Node, str]) -> Optional[str]:
+    """The region of the parameter whose gradient ``reduce_scatter`` reduces: the first gathered
+    parameter that the gradient is combined with, following it elementwise (the optimizer's
+    update reads the parameter); None when none is met."""
+    shape = _shape(reduce_scatter)
+    frontier, seen = [reduce_scatter], {reduce_scatter}
+    while frontier and len(seen) < _FOLLOW_LIMIT:
+        following = []
+        for node in frontier:
+            for successor, partners in _elementwise_steps(node, shape):
+                for partner in partners:
+                    if partner in regions:
+                        return regions[partner]
+                if successor not in seen:
+                    seen.add(successor)
+                    following.append(successor)
+        frontier = following
+    return None
+
+
+def _group(node: fx.Node) -> Any:
+    return str(node.args[-1])
+
+
+def _runs(nodes: list[tuple[fx.Node, Optional[str]]]) -> list[list[fx.Node]]:
+    """Maximal runs of consecutive collectives with the same region and process group; those
+    without a region are left out."""
+    runs: list[list[fx.Node]] = []
+    key = None
+    for node, region in nodes:
+        this = (region, _group(node)) if region is not None else None
+        if this is not None and this == key:
+            runs[-1].append(node)
+        elif this is not None:
+            runs.append([node])
+        key = this
+    return runs
+
+
+def _wait_of(collective: fx.Node) -> fx.Node:
+    return next(user for user in collective.users if is_wait_tensor(user))
+
+
+def _issue_ahead(graph: fx.Graph, buckets: list[fx.Node]) -> None:
+    """Move each all-gather bucket (its start and the copies that feed it) before the previous
+    bucket's wait, so it is in flight while the previous region computes."""
+    for previous, current in zip(buckets, buckets[1:]):
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        wait = _wait_of(previous)
+        if position[current] < position[wait]:
+            continue
+        feeding, stack = set(), [current]
+        while stack:
+            node = stack.pop()
+            if node in feeding or node.op == "placeholder" or position[node] < position[wait]:
+                continue
+            feeding.add(node)
+            stack.extend(node.all_input_nodes)
+        for node in sorted(feeding, key=position.__getitem__):
+            wait.prepend(node)
+
+
+def _defer_waits(graph: fx.Graph, buckets: list[fx.Node]) -> None:
+    """Move each reduce-scatter bucket's wait after the next bucket's start: one region's
+    reduction runs during the next region's backward."""
+    for current, following in zip(buckets, buckets[1:]):
+        wait = _wait_of(current)
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        if position[wait] < position[following]:
+            following.append(wait)
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    found, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
+def _bucket_all_reduces(graph: fx.Graph, bucket_size_mb: float) -> None:
+    """Merge the all-reduces into buckets of at most ``bucket_size_mb`` MiB: consecutive ones (in
+    the order their inputs are ready) of one process group, reduce op and dtype, none depending
+    on another of its bucket. Each bucket is issued as soon as its last input is ready and waited
+    for where its first result is used, so it runs during the rest of the backward."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    all_reduces = [n for n in graph.nodes if is_all_reduce_tensor(n)]
+    ready = {n: max((position[i] for i in n.all_input_nodes), default=0) for n in all_reduces}
+    buckets: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    size, key, blocked = 0, None, set()
+    for node in sorted(all_reduces, key=ready.__getitem__):
+        this_key = (_group(node), node.args[1], node.meta["val"].dtype)
+        nbytes = node.meta["val"].numel() * node.meta["val"].element_size()
+        if current and (this_key != key or node in blocked or size + nbytes > bucket_size_mb * 2**20):
+            buckets.append(current)
+            current, size, blocked = [], 0, set()
+        current.append(node)
+        size, key = size + nbytes, this_key
+        blocked |= _descendants(node)
+    buckets.append(current)
+    for bucket in buckets:
+        if len(bucket) < 2:
+            continue
+        last_input = max((i for n in bucket for i in n.all_input_nodes), key=position.__getitem__)
+        first_wait = min((_wait_of(n) for n in bucket), key=position.__getitem__)
+        wait_at = first_wait if position[first_wait] > position[last_input] else None
+        merge_all_reduce_bucket(graph, bucket, insert_before=last_input.next, wait_insertion_point=wait_at)
+        stable_topological_sort(graph)
+        position = {n: i for i, n in enumerate(graph.nodes)}
+
+
+def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
+    """Rewrite ``graph`` in place as the module docstring says."""
+    nodes = list(graph.nodes)
+    all_gathers = [n for n in nodes if is_all_gather_into_tensor(n)]
+    regions: dict[fx.Node, str] = {}
+    for node in all_gathers:
+        source, region = _gathered_placeholder(node), _region(node)
+        if source is not None and region is not None:
+            regions.setdefault(source, region)
+    fsdp_gathers = [(n, _region(n)) for n in all_gathers if _gathered_placeholder(n) in regions]
+    gather_buckets = []
+    for run in _runs(fsdp_gathers):
+        if len(run) > 1:
+            first_wait = min((_wait_of(n) for n in run), key=nodes.index)
+            new_nodes, _ = merge_all_gather_bucket(graph, run, insert_before=run[0].next, wait_insertion_point=first_wait)
+            run = [next(n for n in new_nodes if is_all_gather_into_tensor(n))]
+        gather_buckets.append(run[0])
+    reductions = [(n, _gradient_region(n, regions)) for n in graph.nodes if is_reduce_scatter_tensor(n)]
+    scatter_buckets = []
+    for run in _runs(reductions):
+        if len(run) > 1:
+            new_nodes, _ = merge_reduce_scatter_bucket(graph, run, insert_before=run[-1].next)
+            run = [next(n for n in new_nodes if is_reduce_scatter_tensor(n))]
+        scatter_buckets.append(run[0])
+    stable_topological_sort(graph)
+    _issue_ahead(graph, gather_buckets)
+    _defer_waits(graph, scatter_buckets)
+    stable_topological_sort(graph)
+    # Inductor's scheduler reorders for peak memory; these edges keep the overlap it would undo.
+    order = {_wait_of(previous): OrderedSet([current]) for previous, current in zip(gather_buckets, gather_buckets[1:])}
+    order |= {_wait_of(current): OrderedSet([following]) for current, following in zip(scatter_buckets, scatter_buckets[1:])}
+    preserve_node_ordering(graph, order)
+    _bucket_all_reduces(graph, bucket_size_mb)
+    graph.lint()
+
+
+class CollectiveBucketsPass(CustomGraphPass):
+    """``bucket_collectives`` as an Inductor ``post_grad_custom_post_pass``; its ``uuid`` (in the
+    compile caches' keys) hashes this file and the bucket size."""
+
+    def __init__(self, bucket_size_mb: float = DEFAULT_BUCKET_MB):
+        self.bucket_size_mb = bucket_size_mb
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if any(n.op == "call_function" and "_c10d_functional" in str(n.target) for n in graph.nodes):
+            bucket_collectives(graph, self.bucket_size_mb)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,)) + repr(self.bucket_size_mb).encode()
