@@ -90,7 +90,7 @@ def test_compiled_step_over_dtensor_state_is_one_graph(tmp_path, torchrun):
     assert result["final_error"] < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["dp_shard=2", "dp_replicate=2"])
+@pytest.mark.parametrize("layout", ["dp_shard=2", pytest.param("dp_replicate=2", marks=pytest.mark.slow)])
 def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(layout, tmp_path, torchrun):
     """Compiled, FSDP gathers and reduce-scatters per region (embed, each block, head) and DDP
     all-reduces the gradients in one bucket: the counts the comm report predicts (per leaf they
