@@ -405,7 +405,6 @@ class _Run:
     def finish(self) -> RunResult:
         """The last save and evaluation, the weights, the sample and the end record."""
         cfg, step = self.cfg, self.step
-        self.profiler.finish()
         self.checkpoints.finish(step, self.state)
         failed = self.checkpoints.error
         finished = self.exit_reason in ("train_iters", "train_samples")
@@ -442,7 +441,7 @@ class _Run:
                 self.loader.close()
             if self.checkpoints is not None:
                 self.checkpoints.close()
-            if self.profiler is not None:
+            if self.profiler is not None:  # a window the run ended inside is written here
                 self.profiler.finish()
             if self.logger is not None:
                 self.logger.close()
