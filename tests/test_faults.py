@@ -6,6 +6,7 @@ hashed before and after). Runs are tiny and eager, through ``python -m lmfunc.tr
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -355,7 +356,9 @@ def test_ctrl_c_is_acknowledged_at_once_and_a_second_one_stops_in_one_line(tmp_p
     proc = subprocess.Popen([sys.executable, "-m", "lmfunc.train", *flags, "--run.out-dir", str(tmp_path / "runs"),
                              "--run.train-iters", "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
-        if line.startswith("data:"):  # setup is done; the first (compiling) step starts
+        # The announcement "data: N train / ..." (not the resolved config's "data:" section, printed
+        # before the handlers are installed): setup is done, the first (compiling) step starts.
+        if re.match(r"data: \d+ train", line):
             break
     proc.send_signal(signal.SIGINT)
     acknowledged = proc.stderr.readline() + proc.stderr.readline()
