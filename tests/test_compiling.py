@@ -168,6 +168,7 @@ print(json.dumps({"grad": grad.tolist(), **counters["aot_autograd"]}))
 """
 
 
+@pytest.mark.slow
 def test_the_compile_cache_misses_when_an_autograd_functions_backward_changes(tmp_path):
     """lmfunc lets AOTAutograd cache graphs that call an ``autograd.Function``: this holds only
     because the Function's backward is traced into the cached graph's key. A restarted process

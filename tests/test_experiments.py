@@ -77,14 +77,17 @@ def test_compile_depth_study_quick(tmp_path):
 
 @pytest.mark.slow
 def test_scaling_study_quick(tmp_path):
-    """Bucketed, every data-parallel layout issues fewer collectives per step than per leaf, and
-    each run's profile was read."""
-    rows = run_quick("scaling", tmp_path)["rows"]
+    """Bucketed, every data-parallel layout issues fewer collectives per step than per leaf, each
+    run's profile was read, and the box's bound lies below the side-by-side pair's efficiency."""
+    summary = run_quick("scaling", tmp_path)
+    rows, bound = summary["rows"], summary["bound"]
     for layout in ("dp_shard2", "dp_replicate2"):
         bucketed, per_leaf = rows[layout]["collectives"], rows[f"{layout}_per_leaf"]["collectives"]
         assert sum(bucketed.values()) < sum(per_leaf.values()), (layout, bucketed, per_leaf)
     assert rows["dp_shard2"]["collectives"]["all_gather_into_tensor"] == 4  # tiny: embed, 2 blocks, head
-    assert all(row["step_ms"] > 0 for row in rows.values())
+    assert all(row["step_ms"] > 0 for name, row in rows.items() if name != "single_pair")
+    assert rows["dp_shard2"]["collectives"]["all_to_all_single"] == 5  # gloo's reduce-scatters; the tied embedding's twice
+    assert 0 < bound["gloo_fsdp_ms"] and 0 < bound["bound"] < bound["pair_efficiency"]
 
 
 def test_a_folder_the_harness_did_not_write_is_never_deleted(tmp_path):

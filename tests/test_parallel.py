@@ -90,23 +90,35 @@ def test_compiled_step_over_dtensor_state_is_one_graph(tmp_path, torchrun):
     assert result["final_error"] < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["dp_shard=2", pytest.param("dp_replicate=2", marks=pytest.mark.slow)])
-def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(layout, tmp_path, torchrun):
-    """Compiled, FSDP gathers and reduce-scatters per region (embed, each block, head) and DDP
-    all-reduces the gradients in one bucket: the counts the comm report predicts (per leaf they
-    would be 42 all-gathers and reduce-scatters, or 22 all-reduces), with the single process's
-    losses, parameters and moments (2 microbatches per step)."""
+@pytest.mark.parametrize("layout, nproc", [("dp_shard=2", 2), pytest.param("dp_replicate=2", 2, marks=pytest.mark.slow),
+                                           pytest.param("dp_replicate=2,dp_shard=2", 4, marks=pytest.mark.slow)])
+def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(layout, nproc, tmp_path, torchrun):
+    """Compiled, FSDP gathers and reduce-scatters per region (embed, each block, head; on gloo a
+    reduce-scatter is an all-to-all) and DDP all-reduces the gradients in one bucket: the counts the
+    comm report predicts (per leaf they would be 42 all-gathers and reduce-scatters, or 22
+    all-reduces), with the single process's losses, parameters and moments (2 microbatches per
+    step). HSDP: FSDP's counts within each replica; DTensor all-reduces a gradient over the
+    replicas before its reduce-scatter, so the replicas' all-reduces are bucketed per region (each
+    must precede its region's reduce-scatter, issued during the backward): at most one per
+    reduce-scatter, plus the scalars' (token count, gradient norm) per mesh dim."""
     from experiments.bench.comm import expected_compiled_counts
 
     out = tmp_path / "result.json"
-    torchrun(2, ["tests/parallel_worker.py", layout, str(out), "--compile"])
+    torchrun(nproc, ["tests/parallel_worker.py", layout, str(out), "--compile"])
     result = json.loads(out.read_text())
     assert result["frames"] == 1 and result["graph_breaks"] == 0, result
     for got, want in zip(result["losses"], result["reference_losses"]):
         assert got == pytest.approx(want, rel=1e-5)
     assert result["final_error"] < 1e-5 and result["moment_error"] < 1e-5, result
     sizes = {k: int(v) for k, v in (item.split("=") for item in layout.split(","))}
-    assert result["collectives"] == expected_compiled_counts(model_preset("tiny"), sizes, microbatches=2, loss_mask=True)
+    if "dp_shard" in sizes and "dp_replicate" in sizes:
+        want = expected_compiled_counts(model_preset("tiny"), {"dp_shard": 2}, microbatches=2, loss_mask=True)
+        assert {k: v for k, v in result["collectives"].items() if k != "all_reduce"} == {
+            k: v for k, v in want.items() if k != "all_reduce"}
+        assert result["collectives"]["all_reduce"] <= want["all_to_all_single"] + 5, result["collectives"]
+    else:
+        assert result["collectives"] == expected_compiled_counts(model_preset("tiny"), sizes, microbatches=2,
+                                                                 loss_mask=True)
 
 
 def test_training_command_gives_the_same_losses_on_any_layout(tmp_path, torchrun):

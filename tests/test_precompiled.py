@@ -88,6 +88,7 @@ print(json.dumps({"value": float(value), "grad": grad.tolist(),
 """
 
 
+@pytest.mark.slow
 def test_the_key_changes_with_a_closed_over_value_and_with_the_source_of_a_users_module(tmp_path):
     """A step closes over a value and calls a function of the user's own module (a file outside
     installed packages). The same value and source load the saved step; another value, or an

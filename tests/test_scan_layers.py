@@ -156,6 +156,7 @@ print(json.dumps({"loss": float(metrics["loss"]), **counters["inductor"], **coun
 """
 
 
+@pytest.mark.slow
 def test_a_restarted_scan_step_loads_from_the_compile_caches_and_a_changed_body_misses(tmp_path):
     """torch's ``scan`` is opted into the FX graph and AOTAutograd caches: a restarted process loads
     the scanned step from them, and a process whose scanned block computes something else (the

@@ -28,6 +28,8 @@ step of M microbatches (no MTP, no tp):
 - DDP (dp_replicate): the gradients in buckets of ``bucket_size_mb`` (one bucket for these
   models).
 - With a loss mask, one more all-reduce: the step's token count.
+- On gloo, which has no reduce-scatter of its own, each bucketed FSDP reduce-scatter is an
+  all-to-all and a local sum: the reduce-scatters above count as ``all_to_all_single``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from lmfunc.loss import lm_loss
 from lmfunc.model import gpt
 from lmfunc.tree import tree_leaves
 
-KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
 
 
 def parameter_uses(cfg: ModelConfig) -> int:
@@ -80,17 +82,18 @@ def expected_counts(cfg: ModelConfig, sizes: dict[str, int]) -> Optional[dict[st
 
 
 def expected_compiled_counts(cfg: ModelConfig, sizes: dict[str, int], microbatches: int,
-                             loss_mask: bool) -> Optional[dict[str, int]]:
+                             loss_mask: bool, gloo: bool = True) -> Optional[dict[str, int]]:
     """Collectives of one compiled train step (module docstring), or None where lmfunc makes no
-    prediction (tp, MTP, more than one gradient bucket)."""
+    prediction (tp, MTP, more than one gradient bucket). ``gloo``: the mesh's backend is gloo."""
     if cfg.mtp_num_layers or sizes.get("tp", 1) > 1:
         return None
     regions = cfg.num_layers + 2
-    counts = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": int(loss_mask)}
+    counts = {kind: 0 for kind in KINDS} | {"all_reduce": int(loss_mask)}
     if sizes.get("dp_shard", 1) > 1:
         counts["all_gather_into_tensor"] = microbatches * regions
         tied = int(cfg.tie_embeddings)
-        counts["reduce_scatter_tensor"] = microbatches * (regions + tied) - tied * (microbatches - 1)
+        reduce_scatters = "all_to_all_single" if gloo else "reduce_scatter_tensor"
+        counts[reduce_scatters] = microbatches * (regions + tied) - tied * (microbatches - 1)
         counts["all_reduce"] += 1
     if sizes.get("dp_replicate", 1) > 1:
         counts["all_reduce"] += 1

@@ -136,7 +136,11 @@ def _compiled_step_counts(cfg, params, local: dict, layout) -> tuple[dict, Optio
         holder["state"], _ = step(holder["state"], batch)
 
     call()
-    return count_step_collectives(call), expected_compiled_counts(cfg, layout.sizes, microbatches=1, loss_mask=False)
+    import torch.distributed as dist
+
+    gloo = dist.get_backend() == "gloo"
+    return count_step_collectives(call), expected_compiled_counts(cfg, layout.sizes, microbatches=1, loss_mask=False,
+                                                                  gloo=gloo)
 
 
 def run_comm_report(bc: BenchConfig) -> None:

@@ -7,6 +7,9 @@ Reported per run: tokens/s per rank over the steps after the first log interval 
 the weak-scaling efficiency (tokens/s per rank / the single process's), and from rank 0's
 profile of three steps: collectives per step, the milliseconds per step the main thread spends
 issuing collectives and waiting for them (the exposed communication), and that share of the step.
+What the box allows: two single processes side by side (``single_pair``: the cores and memory
+shared, no communication) and gloo's own time for one step's FSDP collectives
+(``experiments.scaling.gloo_cost``) bound the dp_shard=2 efficiency (``box_bound``).
 ``python -m experiments.scaling [--quick]``; run it with nothing else on the machine. Rank 0's
 Chrome traces are kept in ``results/traces/NAME.json.gz``.
 """
@@ -15,13 +18,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
+import statistics
+import subprocess
+import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from experiments.harness import (
-    Options, Run, conclude, load_results, markdown_table, parse_options, run_training, series, write_json,
+    REPO, Options, Run, conclude, load_results, markdown_table, parse_options, run_training, series, write_json,
 )
+from lmfunc.config.yaml_io import load_config
 
 HERE = Path(__file__).resolve().parent
 NO_BUCKETS = ("--parallel.no-bucket-collectives",)
@@ -32,7 +41,53 @@ LAYOUTS = {
 }
 RUNS = [Run("single")] + [Run(f"{name}{suffix}", flags + extra, nproc=2) for name, flags in LAYOUTS.items()
                           for suffix, extra in (("", ()), ("_per_leaf", NO_BUCKETS))]
-COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+PAIR = [Run("single_pair_a"), Run("single_pair_b")]
+"""Two single-process runs side by side: each rank's share of the box with no communication."""
+ROUNDS = {False: 3, True: 1}
+"""Rounds of (single, pair, dp_shard2) for the box's bound, full and quick: one run's timings on
+this box swing by 0.1 in efficiency."""
+COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+
+
+def round_runs(k: int) -> dict[str, list[Run]]:
+    """The runs of bound round ``k`` (round 1 is the main table's single and dp_shard2)."""
+    suffix = "" if k == 1 else f"_round{k}"
+    return {"single": [Run(f"single{suffix}")], "pair": [Run(f"{run.name}{suffix}") for run in PAIR],
+            "dp_shard2": [Run(f"dp_shard2{suffix}", LAYOUTS["dp_shard2"], nproc=2)]}
+
+
+def run_side_by_side(runs: list[Run], config: Path, options: Options) -> dict[str, float]:
+    """Train ``runs`` at the same time; their seconds."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = list(pool.map(lambda run: run_training(run, config, options), runs))
+    return {result["name"]: result["seconds"] for result in done}
+
+
+def measure_gloo_cost(config: Path, options: Options) -> dict:
+    """``experiments.scaling.gloo_cost`` on 2 ranks: the bucketed FSDP collectives of one step
+    timed alone (results/gloo_cost.json)."""
+    out = options.results / "gloo_cost.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "experiments.scaling.gloo_cost", str(config), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "PYTHONPATH": str(REPO)}
+    subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True, text=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def box_bound(results: dict[str, list[dict]], k: int, gloo: dict, tokens_per_step: int) -> dict[str, float]:
+    """The dp_shard=2 efficiency this box allows, from round ``k``: one process's step time ``t1``;
+    two independent processes' step time ``t_pair`` (cores and memory shared, no communication);
+    gloo's CPU time ``c`` for the step's bucketed collectives as lmfunc issues them (all-gathers,
+    and all-to-alls with a sum for the reduce-scatters). With both cores computing, no core is free
+    to run gloo's copies and reductions, so the step takes at least ``t_pair + c`` and the
+    efficiency is at most ``t1 / (t_pair + c)``."""
+    runs = round_runs(k)
+    step_ms = {what: sum(tokens_per_step / steady_rate(results[run.name]) * run.nproc * 1e3 for run in group) / len(group)
+               for what, group in runs.items()}
+    t1, t_pair, t_shard = step_ms["single"], step_ms["pair"], step_ms["dp_shard2"]
+    c = gloo["step"]["all_gather_ms"] + gloo["step"]["all_to_all_sum_ms"]
+    return {"single_step_ms": t1, "pair_step_ms": t_pair, "gloo_fsdp_ms": c, "pair_efficiency": t1 / t_pair,
+            "bound": t1 / (t_pair + c), "dp_shard2_step_ms": t_shard, "dp_shard2_efficiency": t1 / t_shard}
 
 
 def profile_summary(trace: Path) -> dict:
@@ -50,12 +105,17 @@ def profile_summary(trace: Path) -> dict:
             "exposed_ms": exposed, "exposed_share": exposed / step_ms}
 
 
+def steady_rate(records: list[dict]) -> float:
+    """Mean logged tokens/s after the first log interval (the compile)."""
+    rates = series(records, "train", "tokens_per_s")[1]
+    steady = rates[1:] or rates
+    return sum(steady) / len(steady)
+
+
 def rows(options: Options, results: dict[str, list[dict]]) -> dict[str, dict]:
     out = {}
     for run in RUNS:
-        steps, rates = series(results[run.name], "train", "tokens_per_s")
-        steady = rates[1:] or rates
-        per_rank = sum(steady) / len(steady) / run.nproc
+        per_rank = steady_rate(results[run.name]) / run.nproc
         traces = sorted((options.out / "runs" / run.name / "profile").glob("rank0_*.json"))
         kept = options.results / "traces" / f"{run.name}.json.gz"
         if traces:  # the run's own trace, kept gzipped with the results (ui.perfetto.dev opens it)
@@ -64,6 +124,9 @@ def rows(options: Options, results: dict[str, list[dict]]) -> dict[str, dict]:
                 shutil.copyfileobj(src, dst)
         profile = profile_summary(kept) if kept.exists() else {}
         out[run.name] = {"ranks": run.nproc, "tokens_per_s_per_rank": per_rank, **profile}
+        if run.name == "single":
+            pair = [steady_rate(results[r.name]) for r in PAIR]
+            out["single_pair"] = {"ranks": len(PAIR), "tokens_per_s_per_rank": sum(pair) / len(pair)}
     single = out["single"]["tokens_per_s_per_rank"]
     for row in out.values():
         row["efficiency"] = row["tokens_per_s_per_rank"] / single
@@ -73,25 +136,40 @@ def rows(options: Options, results: dict[str, list[dict]]) -> dict[str, dict]:
 def main(argv=None) -> None:
     options: Options = parse_options("scaling", __doc__.splitlines()[0], argv)
     config = HERE / ("quick.yaml" if options.quick else "config.yaml")
+    rounds = ROUNDS[options.quick]
     if options.report_only:
         seconds = json.loads((options.results / "summary.json").read_text())["seconds"]
     else:
         seconds = {run.name: run_training(run, config, options)["seconds"] for run in RUNS}
-    table_rows = rows(options, load_results(options, [run.name for run in RUNS]))
+        seconds |= run_side_by_side(round_runs(1)["pair"], config, options)
+        for k in range(2, rounds + 1):
+            for group in round_runs(k).values():
+                seconds |= run_side_by_side(group, config, options)
+        measure_gloo_cost(config, options)
+    bound_names = [run.name for k in range(1, rounds + 1) for group in round_runs(k).values() for run in group]
+    results = load_results(options, dict.fromkeys([run.name for run in RUNS] + bound_names))
+    table_rows = rows(options, results)
     write_json(options.results / "scaling.json", table_rows)
+    model_cfg = load_config(str(config))
+    gloo = json.loads((options.results / "gloo_cost.json").read_text())
+    tokens_per_step = model_cfg.run.micro_batch_size * model_cfg.data.seq_length
+    bounds = [box_bound(results, k, gloo, tokens_per_step) for k in range(1, rounds + 1)]
+    bound = {key: statistics.median(b[key] for b in bounds) for key in bounds[0]}
     table = markdown_table(
         ["run", "ranks", "tokens/s per rank", "efficiency", "all-gathers / step", "reduce-scatters / step",
-         "all-reduces / step", "step ms (profiled)", "exposed comm ms / step", "exposed share"],
+         "all-reduces / step", "all-to-alls / step", "step ms (profiled)", "exposed comm ms / step", "exposed share"],
         [[name, r["ranks"], r["tokens_per_s_per_rank"], r["efficiency"],
           *(r.get("collectives", {}).get(k) for k in COLLECTIVES), r.get("step_ms"), r.get("exposed_ms"),
           r.get("exposed_share")] for name, r in table_rows.items()])
+    table += "\n\n" + markdown_table(["round", *bound], [[k, *b.values()] for k, b in enumerate(bounds, 1)]
+                                       + [["median", *bound.values()]]) + "\n"
     (options.results / "tables.md").write_text(table)
     failures = []
     for name in LAYOUTS:
         bucketed, per_leaf = table_rows[name]["collectives"], table_rows[f"{name}_per_leaf"]["collectives"]
         if sum(bucketed.values()) > sum(per_leaf.values()):
             failures.append(f"{name}: {sum(bucketed.values())} collectives per step bucketed, more than per leaf")
-    conclude(options, config, seconds, failures, table, rows=table_rows)
+    conclude(options, config, seconds, failures, table, rows=table_rows, bound=bound, bound_rounds=bounds)
 
 
 if __name__ == "__main__":

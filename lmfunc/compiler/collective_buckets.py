@@ -14,12 +14,19 @@ SimpleFSDP run:
   parameter itself (the backward's nodes carry no region marks).
 - **prefetch**: region ``i + 1``'s all-gather is issued before the wait of region ``i``'s, so it
   runs while region ``i`` computes; at most two regions' parameters are gathered at once.
-- **deferred waits**: region ``i``'s reduce-scatter is waited for only after region ``i - 1``'s
-  has been issued (backward order), so it runs during that region's backward; at most two
-  regions' full gradients are alive at once.
+- **deferred waits**: region ``i``'s reduce-scatter is issued before the first matmul after it
+  (region ``i - 1``'s backward) and waited for only after region ``i - 1``'s has been issued
+  (backward order), so it runs during that region's backward; at most two regions' full
+  gradients are alive at once.
 - **all-reduces** (``dp_replicate``: the step's gradients) are merged into buckets of at most
   ``bucket_size_mb`` MiB (Megatron's ``--ddp-bucket-size``) in the order their inputs are ready;
   each is issued as soon as its last input is, and waited for where its result is first used.
+- **gloo's reduce-scatter**: gloo has none; c10d all-reduces the whole tensor and keeps one chunk,
+  moving twice the bytes a reduce-scatter needs. On a gloo group each reduce-scatter (the FSDP
+  buckets and sequence parallelism's) is an all-to-all (every rank receives the other ranks'
+  copies of its own chunk) followed by a local sum over the ranks, in rank order: the bytes of a
+  ring reduce-scatter. With 2 ranks the sum is the same single addition, so the result is bitwise
+  the all-reduce's.
 
 Gather and reduce-scatter buckets are runs of consecutive collectives (in graph order) of one
 region and one process group, so the collective order is the same on every rank. Only the tied
@@ -37,13 +44,16 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.fx_passes.bucketing import (
+    _resolve_group_name,
     is_all_gather_into_tensor,
     is_all_reduce_tensor,
+    is_all_to_all_tensor,
     is_reduce_scatter_tensor,
     is_wait_tensor,
     merge_all_gather_bucket,
     merge_all_reduce_bucket,
     merge_reduce_scatter_bucket,
+    process_collective_bucket,
 )
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch._inductor.pattern_matcher import stable_topological_sort
@@ -131,6 +141,44 @@ def _runs(nodes: list[tuple[fx.Node, Optional[str]]]) -> list[list[fx.Node]]:
     return runs
 
 
+def _on_gloo(collective: fx.Node) -> bool:
+    """Whether the collective runs on a gloo process group (CPU tensors)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        group = _resolve_process_group(_resolve_group_name(collective.args[-1]))
+        return dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError, KeyError):
+        return False
+
+
+def _reduce_scatter_by_all_to_all(inputs: list[torch.Tensor], group_name: Any, group_size: int,
+                                  reduce_op: str) -> list[torch.Tensor]:
+    """A reduce-scatter of ``inputs[0]`` ``[group_size * n, ...]`` as an all-to-all and a sum over
+    the received ``[group_size, n, ...]`` copies of this rank's chunk: ``[n, ...]``."""
+    x = inputs[0]
+    chunk = x.shape[0] // group_size
+    received = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_to_all_single(
+        x, [chunk] * group_size, [chunk] * group_size, group_name))
+    total = received.view(group_size, chunk, *x.shape[1:]).sum(0)
+    return [total / group_size if reduce_op == "avg" else total]
+
+
+def _reduce_scatter_as_all_to_all(graph: fx.Graph, reduce_scatter: fx.Node) -> fx.Node:
+    """Replace a gloo reduce-scatter (sum or avg) by ``_reduce_scatter_by_all_to_all``, issued where
+    it was and waited for where its wait was; returns the all-to-all (or the reduce-scatter itself
+    where the rewrite does not apply)."""
+    _, reduce_op, group_size, group_name = reduce_scatter.args
+    if reduce_op not in ("sum", "avg") or not isinstance(group_name, str) or not _on_gloo(reduce_scatter):
+        return reduce_scatter
+    new_nodes, _ = process_collective_bucket(
+        graph, [reduce_scatter], _reduce_scatter_by_all_to_all,
+        lambda inputs: ([inputs[0].meta["val"]], group_name, group_size, reduce_op),
+        insert_before=reduce_scatter.next, wait_insertion_point=_wait_of(reduce_scatter))
+    return next(n for n in new_nodes if is_all_to_all_tensor(n))
+
+
 def _wait_of(collective: fx.Node) -> fx.Node:
     return next(user for user in collective.users if is_wait_tensor(user))
 
@@ -162,6 +210,22 @@ def _defer_waits(graph: fx.Graph, buckets: list[fx.Node]) -> None:
         position = {n: i for i, n in enumerate(graph.nodes)}
         if position[wait] < position[following]:
             following.append(wait)
+
+
+def _issue_before_next_matmul(graph: fx.Graph, buckets: list[fx.Node]) -> dict[fx.Node, OrderedSet]:
+    """Control edges that keep each reduce-scatter bucket (but the last) issued before the first
+    matmul after it in graph order: the next region's backward. Without them Inductor's
+    peak-memory reordering sinks the issues (with their send buffers) to the end of the backward,
+    where nothing is left to overlap them with."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    matmuls = [n for n in graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                                                      torch.ops.aten.bmm.default)]
+    edges: dict[fx.Node, OrderedSet] = {}
+    for bucket in buckets[:-1]:
+        anchor = next((m for m in matmuls if position[m] > position[bucket]), None)
+        if anchor is not None:
+            edges.setdefault(anchor, OrderedSet()).add(bucket)
+    return edges
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
@@ -229,7 +293,7 @@ def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
         if len(run) > 1:
             new_nodes, _ = merge_reduce_scatter_bucket(graph, run, insert_before=run[-1].next)
             run = [next(n for n in new_nodes if is_reduce_scatter_tensor(n))]
-        scatter_buckets.append(run[0])
+        scatter_buckets.append(_reduce_scatter_as_all_to_all(graph, run[0]))
     stable_topological_sort(graph)
     _issue_ahead(graph, gather_buckets)
     _defer_waits(graph, scatter_buckets)
@@ -237,8 +301,11 @@ def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
     # Inductor's scheduler reorders for peak memory; these edges keep the overlap it would undo.
     order = {_wait_of(previous): OrderedSet([current]) for previous, current in zip(gather_buckets, gather_buckets[1:])}
     order |= {_wait_of(current): OrderedSet([following]) for current, following in zip(scatter_buckets, scatter_buckets[1:])}
+    order |= _issue_before_next_matmul(graph, scatter_buckets)
     preserve_node_ordering(graph, order)
     _bucket_all_reduces(graph, bucket_size_mb)
+    for node in [n for n in graph.nodes if is_reduce_scatter_tensor(n)]:
+        _reduce_scatter_as_all_to_all(graph, node)
     graph.lint()
 
 

@@ -263,12 +263,14 @@ class _Run:
             self.logger.record("resume", self.start_step, checkpoint=restored.source, consumed_samples=self.consumed,
                                finetune=restored.finetune)
         precompile = run.precompile and self.layout.mesh is None
+        buckets = cfg.parallel.bucket_size_mb if cfg.parallel.bucket_collectives else None
         self.train_step = make_train_step(
             cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule, compute_dtype=dtype,
             loss_scale=loss_scale, calculate_per_token_loss=run.calculate_per_token_loss, compile=run.compile,
-            donate_state=True, precompile=precompile, bucket_size_mb=cfg.parallel.bucket_size_mb if cfg.parallel.bucket_collectives else None,
+            donate_state=True, precompile=precompile, bucket_size_mb=buckets,
         )
-        self.eval_step = make_eval_step(cfg.model, compute_dtype=dtype, compile=run.compile, precompile=precompile)
+        self.eval_step = make_eval_step(cfg.model, compute_dtype=dtype, compile=run.compile, precompile=precompile,
+                                        bucket_size_mb=buckets)
 
     def _train_batch(self, start: int) -> tuple[int, dict]:
         microbatches = self.plan.num_microbatches_at(start)

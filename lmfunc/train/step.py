@@ -94,10 +94,12 @@ def _callable_step(
 def make_eval_step(
     cfg: ModelConfig, loss_fn: LossFn = lm_loss, compute_dtype: torch.dtype = torch.float32,
     compile: bool = True, backend: Union[str, Callable] = "inductor", precompile: bool = False,
+    bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB,
 ) -> Callable[..., Metrics]:
     """``eval_step(params, batch) -> {"loss_sum", "num_tokens"}`` over all microbatches, no dropout,
     in ``compute_dtype`` (the main next-token loss only, as Megatron's evaluation); ``compile``,
-    ``backend`` and ``precompile`` as for ``make_train_step``."""
+    ``backend``, ``precompile`` and ``bucket_size_mb`` as for ``make_train_step`` (on a mesh, the
+    FSDP gathers are bucketed per region; None leaves them per parameter)."""
 
     def eval_step(params, batch: Batch) -> Metrics:
         params = cast_params(params, compute_dtype)
@@ -108,7 +110,7 @@ def make_eval_step(
             loss_sum, num_tokens = loss_sum + out.loss_sum, num_tokens + out.num_tokens
         return full_metrics({"loss_sum": loss_sum, "num_tokens": num_tokens})
 
-    return _callable_step(eval_step, compile, backend, precompile=precompile)
+    return _callable_step(eval_step, compile, backend, precompile=precompile, bucket_size_mb=bucket_size_mb)
 
 
 def make_train_step(
