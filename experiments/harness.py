@@ -53,16 +53,19 @@ class Options:
         return self.out / "results"
 
 
-def parse_options(study: str, description: str, argv: Optional[Sequence[str]] = None) -> Options:
+def parse_options(study: str, description: str, argv: Optional[Sequence[str]] = None,
+                  threads: Optional[int] = None) -> Options:
     """``--quick`` (the test's few-minute mode), ``--out DIR`` (default: the study's folder for the
-    full mode, runs/experiments/STUDY-quick for the quick one), ``--report-only``, ``--threads``."""
+    full mode, runs/experiments/STUDY-quick for the quick one), ``--report-only``, ``--threads``
+    (default: ``threads`` for a study whose method fixes it, else $OMP_NUM_THREADS or 2)."""
     parser = argparse.ArgumentParser(prog=f"python -m experiments.{study}", description=description)
     parser.add_argument("--quick", action="store_true", help="a few-minute version that checks the invariants")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder of results/ and the plots (default: the study folder; quick: runs/experiments/STUDY-quick)")
     parser.add_argument("--report-only", action="store_true", help="redraw tables and plots from OUT/results")
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")),
-                        help="OMP_NUM_THREADS of each run (default: $OMP_NUM_THREADS or 2)")
+    default_threads = threads if threads is not None else int(os.environ.get("OMP_NUM_THREADS", "2"))
+    parser.add_argument("--threads", type=int, default=default_threads,
+                        help=f"OMP_NUM_THREADS of each run (default: {default_threads})")
     args = parser.parse_args(argv)
     default = REPO / "runs" / "experiments" / f"{study}-quick" if args.quick else REPO / "experiments" / study
     return Options(quick=args.quick, out=(args.out or default).resolve(), report_only=args.report_only,

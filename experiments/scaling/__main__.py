@@ -10,8 +10,9 @@ issuing collectives and waiting for them (the exposed communication), and that s
 What the box allows: two single processes side by side (``single_pair``: the cores and memory
 shared, no communication) and gloo's own time for one step's FSDP collectives
 (``experiments.scaling.gloo_cost``) bound the dp_shard=2 efficiency (``box_bound``).
-``python -m experiments.scaling [--quick]``; run it with nothing else on the machine. Rank 0's
-Chrome traces are kept in ``results/traces/NAME.json.gz``.
+``python -m experiments.scaling [--quick]``, one thread per rank unless ``--threads`` says
+otherwise (two 2-thread processes on 2 cores oversubscribe them: 10x slower); run it with nothing
+else on the machine. Rank 0's Chrome traces are kept in ``results/traces/NAME.json.gz``.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def rows(options: Options, results: dict[str, list[dict]]) -> dict[str, dict]:
 
 
 def main(argv=None) -> None:
-    options: Options = parse_options("scaling", __doc__.splitlines()[0], argv)
+    options: Options = parse_options("scaling", __doc__.splitlines()[0], argv, threads=1)
     config = HERE / ("quick.yaml" if options.quick else "config.yaml")
     rounds = ROUNDS[options.quick]
     if options.report_only:
