@@ -15,7 +15,7 @@ import torch
 import torch._dynamo.utils
 import torch.distributed as dist
 
-from experiments.bench.comm import count_step_collectives
+from experiments.bench.comm import count_step_collectives, step_collective_elements
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import adamw
@@ -62,8 +62,9 @@ def main() -> None:
         local = {k: v[:, rank * per:(rank + 1) * per].contiguous() for k, v in batch.items()}
         state, metrics = step(state, local_batch_to_dtensor(local, layout.mesh))
         losses.append(float(metrics["loss"]))
-    collectives = (count_step_collectives(lambda: step(state, local_batch_to_dtensor(local, layout.mesh)))
-                   if compiled else None)
+    one_step = lambda: step(state, local_batch_to_dtensor(local, layout.mesh))  # noqa: E731
+    collectives = count_step_collectives(one_step) if compiled else None
+    elements = step_collective_elements(one_step) if compiled else None
     final_error = relative_errors(full_tensors(state.params), reference.params)
     moments = full_tensors(state.opt_state[0].mu)
     placements = sorted({str(tuple(p.placements)) for _, p in flatten_with_paths(state.params)})
@@ -73,7 +74,7 @@ def main() -> None:
                 "losses": losses, "reference_losses": reference_losses, "init_error": init_error,
                 "final_error": final_error, "moment_error": relative_errors(moments, reference.opt_state[0].mu),
                 "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"], "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-                "placements": placements, "collectives": collectives,
+                "placements": placements, "collectives": collectives, "elements": elements,
             }, f)
     dist.barrier()
     dist.destroy_process_group()

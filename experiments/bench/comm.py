@@ -34,6 +34,7 @@ step of M microbatches (no MTP, no tp):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Callable, Optional
 
@@ -100,14 +101,31 @@ def expected_compiled_counts(cfg: ModelConfig, sizes: dict[str, int], microbatch
     return counts
 
 
+def _collective_events(call: Callable[[], object], shapes: bool) -> list:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
+        call()
+    return [event for event in prof.events() if event.name.startswith("_c10d_functional::")]
+
+
+def _kind(event) -> str:
+    return event.name.split("::", 1)[1].removesuffix("_out").rstrip("_")
+
+
 def count_step_collectives(call: Callable[[], object]) -> dict[str, int]:
     """The collectives ``call()`` issues on this rank, by kind, from the profiler's host events
     (``_c10d_functional`` ops; an ``_out`` variant counts as its op)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        call()
-    counts = Counter(event.name.split("::", 1)[1].removesuffix("_out").rstrip("_") for event in prof.events()
-                     if event.name.startswith("_c10d_functional::"))
+    counts = Counter(_kind(event) for event in _collective_events(call, shapes=False))
     return {kind: counts.get(kind, 0) for kind in KINDS}
+
+
+def step_collective_elements(call: Callable[[], object]) -> dict[str, int]:
+    """The elements of the tensors that ``call()``'s collectives send on this rank, by kind (the
+    first input's shape in the profiler's host events)."""
+    elements = Counter()
+    for event in _collective_events(call, shapes=True):
+        shape = event.input_shapes[0] if event.input_shapes else []
+        elements[_kind(event)] += math.prod(shape) if shape else 0
+    return {kind: elements.get(kind, 0) for kind in KINDS}
 
 
 def _counts(mode: CommDebugMode) -> Counter:
