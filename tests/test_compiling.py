@@ -133,6 +133,7 @@ def _run_script(script: str, cache_dir, extra_env: dict | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_restarted_process_loads_the_compiled_step_from_inductors_cache(tmp_path):
     """The step is compiled after Dynamo's capture, in a tracing context of its own with a shape
     environment, so Inductor's FX graph cache serves a restarted job instead of regenerating code;

@@ -119,6 +119,7 @@ def run_compiled(monkeypatch, cfg, choose_saved: bool):
     return state, losses, kept
 
 
+@pytest.mark.slow
 def test_compiled_step_keeps_fewer_bytes_with_the_same_result(monkeypatch):
     """On the tiny model (SwiGLU, RMSNorm, RoPE, 2 microbatches) the chosen recompute keeps at
     most 80% of the bytes the plain graph keeps for its backward, and training is unchanged."""
