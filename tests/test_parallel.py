@@ -63,9 +63,13 @@ LAYOUTS = [
     ("dp_shard=2,tp=2", 4, ["--sp"]),
     ("dp_replicate=2,dp_shard=2", 4, ["--mtp"]),
 ]
+COMPILED_LAYOUTS = [("dp_replicate=2,dp_shard=2", 4, ["--mtp", "--compile"])]
+"""Slow: the compiled step with the collective pass (HSDP's swapped reductions) and MTP's custom gradient."""
 
 
-@pytest.mark.parametrize("layout, nproc, flags", LAYOUTS, ids=[f"{l}{''.join(f)}" for l, _, f in LAYOUTS])
+@pytest.mark.parametrize("layout, nproc, flags",
+                         LAYOUTS + [pytest.param(*case, marks=pytest.mark.slow) for case in COMPILED_LAYOUTS],
+                         ids=[f"{l}{''.join(f)}" for l, _, f in LAYOUTS + COMPILED_LAYOUTS])
 def test_parallel_invariance(layout, nproc, flags, tmp_path, torchrun):
     """5 steps on the mesh equal 5 steps on one process: every loss, the final params and Adam moments
     (fp32, relative 1e-5); the mesh's initial params equal the single-process init exactly."""
