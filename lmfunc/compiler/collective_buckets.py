@@ -199,10 +199,9 @@ _MOVES = {
 """Ops that only move elements: a sum over ranks commutes with them."""
 
 
-def _reduced_source(reduce_scatter: fx.Node) -> Optional[tuple[fx.Node, set[fx.Node]]]:
-    """``(the wait of an all-reduce, the element-moving nodes between it and reduce_scatter)``
-    when ``reduce_scatter``'s input is that all-reduce's result rearranged and used nowhere else;
-    otherwise None."""
+def _reduced_source(reduce_scatter: fx.Node) -> Optional[fx.Node]:
+    """The wait of an all-reduce whose result, only rearranged by element-moving ops and used
+    nowhere else, is ``reduce_scatter``'s input; otherwise None."""
     between, sources, stack = set(), set(), [reduce_scatter.args[0]]
     while stack:
         node = stack.pop()
@@ -221,22 +220,23 @@ def _reduced_source(reduce_scatter: fx.Node) -> Optional[tuple[fx.Node, set[fx.N
     inside = between | {reduce_scatter}
     if len(wait.args[0].users) != 1 or any(user not in inside for n in between | {wait} for user in n.users):
         return None
-    return wait, between
+    return wait
 
 
 def _reduce_shard_before_replicas(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """Rewrite each ``reduce_scatter(moves(all_reduce(g)))`` (sum or avg) as
     ``all_reduce(reduce_scatter(moves(g)))``: the all-reduce then moves one shard, not the whole
-    gradient. Returns each new all-reduce's reduce-scatter."""
+    gradient. Only across two process groups (two mesh dims): over one group, all-reducing the
+    scattered chunks would sum different chunks. Returns each new all-reduce's reduce-scatter."""
     swapped = {}
     for reduce_scatter in [n for n in graph.nodes if is_reduce_scatter_tensor(n)]:
-        found = _reduced_source(reduce_scatter)
-        if found is None:
+        wait = _reduced_source(reduce_scatter)
+        if wait is None:
             continue
-        wait, _ = found
         all_reduce = wait.args[0]
         gradient, replica_args = all_reduce.args[0], all_reduce.args[1:]
-        if replica_args[0] not in ("sum", "avg") or reduce_scatter.args[1] not in ("sum", "avg"):
+        if (replica_args[0] not in ("sum", "avg") or reduce_scatter.args[1] not in ("sum", "avg")
+                or _group(all_reduce) == _group(reduce_scatter)):
             continue
         wait.replace_all_uses_with(gradient)
         graph.erase_node(wait)
