@@ -77,15 +77,18 @@ def test_compile_depth_study_quick(tmp_path):
 
 @pytest.mark.slow
 def test_scaling_study_quick(tmp_path):
-    """Bucketed, every data-parallel layout issues fewer collectives per step than per leaf, each
-    run's profile was read, and the box's bound lies below the side-by-side pair's efficiency."""
+    """Bucketed, every data-parallel layout and plain TP issue fewer collectives per step than per
+    leaf, each run's profile was read, and the box's bound lies below the side-by-side pair's
+    efficiency."""
     summary = run_quick("scaling", tmp_path)
     rows, bound = summary["rows"], summary["bound"]
-    for layout in ("dp_shard2", "dp_replicate2"):
+    for layout in ("dp_shard2", "dp_replicate2", "hsdp4", "tp2"):
         bucketed, per_leaf = rows[layout]["collectives"], rows[f"{layout}_per_leaf"]["collectives"]
         assert sum(bucketed.values()) < sum(per_leaf.values()), (layout, bucketed, per_leaf)
-    assert rows["dp_shard2"]["collectives"]["all_gather_into_tensor"] == 4  # tiny: embed, 2 blocks, head
-    assert all(row["step_ms"] > 0 for name, row in rows.items() if name != "single_pair")
+    for layout in ("dp_shard2", "hsdp4"):
+        assert rows[layout]["collectives"]["all_gather_into_tensor"] == 4  # tiny: embed, 2 blocks, head
+    assert rows["hsdp4"]["ranks"] == 4 and rows["single_quad"]["vs_side_by_side"] == 1
+    assert all(row["step_ms"] > 0 for name, row in rows.items() if not name.startswith("single_"))
     assert rows["dp_shard2"]["collectives"]["all_to_all_single"] == 5  # gloo's reduce-scatters; the tied embedding's twice
     assert 0 < bound["gloo_fsdp_ms"] and 0 < bound["bound"] < bound["pair_efficiency"]
 

@@ -4,11 +4,12 @@ collective bucketing and overlap and without it.
 Every run does the same work per rank (4 sequences per rank per step for the data-parallel
 layouts; the tensor-parallel ones split one rank's 4 sequences over 2 ranks), one thread per rank.
 Reported per run: tokens/s per rank over the steps after the first log interval (the compile),
-the weak-scaling efficiency (tokens/s per rank / the single process's), and from rank 0's
-profile of three steps: collectives per step, the milliseconds per step the main thread spends
-issuing collectives and waiting for them (the exposed communication), and that share of the step.
-What the box allows: two single processes side by side (``single_pair``: the cores and memory
-shared, no communication) and gloo's own time for one step's FSDP collectives
+the weak-scaling efficiency (tokens/s per rank / the single process's), the same against as many
+single processes side by side (``single_pair``, ``single_quad``: the cores and memory shared, no
+communication; HSDP's 4 ranks share the 2 cores, so only this comparison means something for
+it), and from rank 0's profile of three steps: collectives per step, the milliseconds per step
+the main thread spends issuing collectives and waiting for them (the exposed communication), and
+that share of the step. The pair and gloo's own time for one step's FSDP collectives
 (``experiments.scaling.gloo_cost``) bound the dp_shard=2 efficiency (``box_bound``).
 ``python -m experiments.scaling [--quick]``, one thread per rank unless ``--threads`` says
 otherwise (two 2-thread processes on 2 cores oversubscribe them: 10x slower); run it with nothing
@@ -36,14 +37,22 @@ from lmfunc.config.yaml_io import load_config
 HERE = Path(__file__).resolve().parent
 NO_BUCKETS = ("--parallel.no-bucket-collectives",)
 LAYOUTS = {
-    "dp_shard2": ("--parallel.dp-shard", "2"),
-    "dp_replicate2": ("--parallel.dp-replicate", "2"),
-    "tp2_sp": ("--parallel.tp", "2", "--model.sequence-parallel"),
+    "dp_shard2": (2, ("--parallel.dp-shard", "2")),
+    "dp_replicate2": (2, ("--parallel.dp-replicate", "2")),
+    "hsdp4": (4, ("--parallel.dp-replicate", "2", "--parallel.dp-shard", "2")),
+    "tp2": (2, ("--parallel.tp", "2")),
+    "tp2_sp": (2, ("--parallel.tp", "2", "--model.sequence-parallel")),
 }
-RUNS = [Run("single")] + [Run(f"{name}{suffix}", flags + extra, nproc=2) for name, flags in LAYOUTS.items()
+"""Layout name: (ranks, flags)."""
+RUNS = [Run("single")] + [Run(f"{name}{suffix}", flags + extra, nproc=nproc) for name, (nproc, flags) in LAYOUTS.items()
                           for suffix, extra in (("", ()), ("_per_leaf", NO_BUCKETS))]
 PAIR = [Run("single_pair_a"), Run("single_pair_b")]
 """Two single-process runs side by side: each rank's share of the box with no communication."""
+QUAD = [Run(f"single_quad_{k}") for k in "abcd"]
+"""Four single-process runs side by side on the 2 cores: the share of the box each of HSDP's 4
+ranks has without communication (4 ranks cannot each have a core here)."""
+SIDE_BY_SIDE = {2: ("single_pair", PAIR), 4: ("single_quad", QUAD)}
+"""Ranks: the side-by-side runs a layout with that many ranks is compared with."""
 ROUNDS = {False: 3, True: 1}
 """Rounds of (single, pair, dp_shard2) for the box's bound, full and quick: one run's timings on
 this box swing by 0.1 in efficiency."""
@@ -54,7 +63,7 @@ def round_runs(k: int) -> dict[str, list[Run]]:
     """The runs of bound round ``k`` (round 1 is the main table's single and dp_shard2)."""
     suffix = "" if k == 1 else f"_round{k}"
     return {"single": [Run(f"single{suffix}")], "pair": [Run(f"{run.name}{suffix}") for run in PAIR],
-            "dp_shard2": [Run(f"dp_shard2{suffix}", LAYOUTS["dp_shard2"], nproc=2)]}
+            "dp_shard2": [Run(f"dp_shard2{suffix}", LAYOUTS["dp_shard2"][1], nproc=2)]}
 
 
 def run_side_by_side(runs: list[Run], config: Path, options: Options) -> dict[str, float]:
@@ -126,11 +135,14 @@ def rows(options: Options, results: dict[str, list[dict]]) -> dict[str, dict]:
         profile = profile_summary(kept) if kept.exists() else {}
         out[run.name] = {"ranks": run.nproc, "tokens_per_s_per_rank": per_rank, **profile}
         if run.name == "single":
-            pair = [steady_rate(results[r.name]) for r in PAIR]
-            out["single_pair"] = {"ranks": len(PAIR), "tokens_per_s_per_rank": sum(pair) / len(pair)}
+            for ranks, (name, group) in SIDE_BY_SIDE.items():
+                rates = [steady_rate(results[r.name]) for r in group]
+                out[name] = {"ranks": ranks, "tokens_per_s_per_rank": sum(rates) / len(rates)}
     single = out["single"]["tokens_per_s_per_rank"]
     for row in out.values():
         row["efficiency"] = row["tokens_per_s_per_rank"] / single
+        side_by_side = SIDE_BY_SIDE.get(row["ranks"], ("single",))[0]
+        row["vs_side_by_side"] = row["tokens_per_s_per_rank"] / out[side_by_side]["tokens_per_s_per_rank"]
     return out
 
 
@@ -143,12 +155,13 @@ def main(argv=None) -> None:
     else:
         seconds = {run.name: run_training(run, config, options)["seconds"] for run in RUNS}
         seconds |= run_side_by_side(round_runs(1)["pair"], config, options)
+        seconds |= run_side_by_side(QUAD, config, options)
         for k in range(2, rounds + 1):
             for group in round_runs(k).values():
                 seconds |= run_side_by_side(group, config, options)
         measure_gloo_cost(config, options)
     bound_names = [run.name for k in range(1, rounds + 1) for group in round_runs(k).values() for run in group]
-    results = load_results(options, dict.fromkeys([run.name for run in RUNS] + bound_names))
+    results = load_results(options, dict.fromkeys([run.name for run in RUNS + QUAD] + bound_names))
     table_rows = rows(options, results)
     write_json(options.results / "scaling.json", table_rows)
     model_cfg = load_config(str(config))
@@ -157,9 +170,9 @@ def main(argv=None) -> None:
     bounds = [box_bound(results, k, gloo, tokens_per_step) for k in range(1, rounds + 1)]
     bound = {key: statistics.median(b[key] for b in bounds) for key in bounds[0]}
     table = markdown_table(
-        ["run", "ranks", "tokens/s per rank", "efficiency", "all-gathers / step", "reduce-scatters / step",
+        ["run", "ranks", "tokens/s per rank", "efficiency", "vs side by side", "all-gathers / step", "reduce-scatters / step",
          "all-reduces / step", "all-to-alls / step", "step ms (profiled)", "exposed comm ms / step", "exposed share"],
-        [[name, r["ranks"], r["tokens_per_s_per_rank"], r["efficiency"],
+        [[name, r["ranks"], r["tokens_per_s_per_rank"], r["efficiency"], r["vs_side_by_side"],
           *(r.get("collectives", {}).get(k) for k in COLLECTIVES), r.get("step_ms"), r.get("exposed_ms"),
           r.get("exposed_share")] for name, r in table_rows.items()])
     table += "\n\n" + markdown_table(["round", *bound], [[k, *b.values()] for k, b in enumerate(bounds, 1)]
