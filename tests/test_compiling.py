@@ -23,7 +23,7 @@ def test_inductor_compiles_on_the_first_call_after_dynamo_capture(monkeypatch):
     def recording_compile(graph, example_inputs, options):
         context = TracingContext.try_get()
         fresh = context is not None and context.fake_mode.shape_env is not None and not context.fake_mode.shape_env.guards
-        events.append(("inductor", fresh, type(options["post_grad_custom_pre_pass"]).__name__))
+        events.append(("inductor", fresh, [type(p).__name__ for p in options["post_grad_custom_pre_pass"]]))
         return real_compile(graph, example_inputs, options)
 
     monkeypatch.setattr(torch._inductor, "compile", recording_compile)
@@ -32,7 +32,7 @@ def test_inductor_compiles_on_the_first_call_after_dynamo_capture(monkeypatch):
     assert events == []
     for _ in range(3):
         assert float(step(torch.ones(4), torch.full((4,), 3.0))) == 12.0
-    assert events == ["release", ("inductor", True, "RematPass"), "release"]
+    assert events == ["release", ("inductor", True, ["RematPass", "ReversedScanPass"]), "release"]
 
     events.clear()
     eager = compiling.compile_step(lambda x, y: (x * y).sum(), backend="eager")

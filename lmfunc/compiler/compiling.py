@@ -28,6 +28,7 @@ from lmfunc.compiler import inplace_reuse
 from lmfunc.compiler.cpp_flags import gcc_flags_for_correct_kernels
 from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB, CollectiveBucketsPass
 from lmfunc.compiler.recompute_pass import RematPass
+from lmfunc.compiler.reversed_scan import ReversedScanPass
 
 
 def release_compile_garbage() -> None:
@@ -136,9 +137,10 @@ def with_own_code(fn: Callable) -> Callable:
 
 def inductor_options(choose_saved: bool, bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB) -> dict[str, Any]:
     """The Inductor config options of every lmfunc compile: the recompute pass on the step's
-    graph, then the bucketing and overlap of its collectives (``collective_buckets``; all-reduce
-    buckets of at most ``bucket_size_mb`` MiB; None: no such pass)."""
-    options: dict[str, Any] = {"post_grad_custom_pre_pass": RematPass(choose_saved)}
+    graph and the lowering of the backward's reversed scans (``reversed_scan``), then the
+    bucketing and overlap of its collectives (``collective_buckets``; all-reduce buckets of at
+    most ``bucket_size_mb`` MiB; None: no such pass)."""
+    options: dict[str, Any] = {"post_grad_custom_pre_pass": [RematPass(choose_saved), ReversedScanPass()]}
     if bucket_size_mb is not None:
         options["post_grad_custom_post_pass"] = CollectiveBucketsPass(bucket_size_mb)
     return options
