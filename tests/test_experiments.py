@@ -88,6 +88,8 @@ def test_scaling_study_quick(tmp_path):
     for layout in ("dp_shard2", "hsdp4"):
         assert rows[layout]["collectives"]["all_gather_into_tensor"] == 4  # tiny: embed, 2 blocks, head
     assert rows["hsdp4"]["ranks"] == 4 and rows["single_quad"]["vs_side_by_side"] == 1
+    hsdp = rows["hsdp4"]["mib"]
+    assert 0 < hsdp["all_reduce"] < 0.6 * hsdp["all_to_all_single"]  # the replicas reduce shards, not whole gradients
     assert all(row["step_ms"] > 0 for name, row in rows.items() if not name.startswith("single_"))
     assert rows["dp_shard2"]["collectives"]["all_to_all_single"] == 5  # gloo's reduce-scatters; the tied embedding's twice
     assert 0 < bound["gloo_fsdp_ms"] and 0 < bound["bound"] < bound["pair_efficiency"]

@@ -122,8 +122,10 @@ def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tiny_yaml, tmp_path,
                 "--log.profile-step-end", "4"])
     path = tmp_path / "runs" / "prof" / "profile" / "rank0_steps2-3.json"
     assert f"profile of steps 2-3 written to {path}" in capsys.readouterr().out
-    names = [event.get("name") for event in json.loads(path.read_text())["traceEvents"]]
+    events = json.loads(path.read_text())["traceEvents"]
+    names = [event.get("name") for event in events]
     assert names.count("aten::mm") > 0 and "aten::_foreach_add" in " ".join(map(str, names))
+    assert all(len(e["args"]["Input Dims"]) == 2 for e in events if e.get("name") == "aten::mm")  # shapes recorded
     assert os.listdir(path.parent) == [path.name]
     with pytest.raises(SystemExit):
         train_main(["--config", tiny_yaml, "--log.profile", "--log.profile-step-start", "3", "--log.profile-step-end", "3"])

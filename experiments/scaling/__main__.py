@@ -7,9 +7,9 @@ Reported per run: tokens/s per rank over the steps after the first log interval 
 the weak-scaling efficiency (tokens/s per rank / the single process's), the same against as many
 single processes side by side (``single_pair``, ``single_quad``: the cores and memory shared, no
 communication; HSDP's 4 ranks share the 2 cores, so only this comparison means something for
-it), and from rank 0's profile of three steps: collectives per step, the milliseconds per step
-the main thread spends issuing collectives and waiting for them (the exposed communication), and
-that share of the step. The pair and gloo's own time for one step's FSDP collectives
+it), and from rank 0's profile of three steps: collectives per step and the MiB a rank hands
+them, the milliseconds per step the main thread spends issuing collectives and waiting for them
+(the exposed communication), and that share of the step. The pair and gloo's own time for one step's FSDP collectives
 (``experiments.scaling.gloo_cost``) bound the dp_shard=2 efficiency (``box_bound``).
 ``python -m experiments.scaling [--quick]``, one thread per rank unless ``--threads`` says
 otherwise (two 2-thread processes on 2 cores oversubscribe them: 10x slower); run it with nothing
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import shutil
 import statistics
@@ -100,19 +101,36 @@ def box_bound(results: dict[str, list[dict]], k: int, gloo: dict, tokens_per_ste
             "bound": t1 / (t_pair + c), "dp_shard2_step_ms": t_shard, "dp_shard2_efficiency": t1 / t_shard}
 
 
+ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4}
+"""Bytes per element of the profiler's ``Input type`` names."""
+
+
+def input_mib(event: dict) -> float:
+    """MiB of a profiled op's first input (its ``Input Dims`` and ``Input type``): what a rank
+    hands to a collective (an all-gather's shard, a reduction's whole tensor)."""
+    dims, types = event.get("args", {}).get("Input Dims") or [[]], event.get("args", {}).get("Input type") or [""]
+    return math.prod(dims[0]) * ELEMENT_BYTES.get(types[0], 0) / 2**20 if dims[0] else 0.0
+
+
 def profile_summary(trace: Path) -> dict:
     """From a Chrome trace of N steps: mean step ms (the compiled graph's calls), collectives per
-    step by kind, and the main thread's ms per step in collective calls and waits."""
+    step by kind and the MiB each rank hands them, and the main thread's ms per step in
+    collective calls and waits."""
     events = [e for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"] if e.get("ph") == "X"]
     steps = [e for e in events if e["name"].startswith("## Call CompiledFxGraph")]
     main = Counter(e["tid"] for e in steps).most_common(1)[0][0]
     mine = [e for e in events if e["tid"] == main and e["name"].startswith("_c10d_functional::")]
-    kinds = Counter(e["name"].split("::", 1)[1].removesuffix("_out").rstrip("_") for e in mine)
+    kind = {id(e): e["name"].split("::", 1)[1].removesuffix("_out").rstrip("_") for e in mine}
+    kinds = Counter(kind.values())
+    mib = Counter()
+    for e in mine:
+        mib[kind[id(e)]] += input_mib(e)
     n = len(steps)
     exposed = sum(e["dur"] for e in mine) / 1e3 / n
     step_ms = sum(e["dur"] for e in steps) / 1e3 / n
     return {"step_ms": step_ms, "collectives": {k: kinds.get(k, 0) / n for k in COLLECTIVES},
-            "exposed_ms": exposed, "exposed_share": exposed / step_ms}
+            "mib": {k: mib.get(k, 0.0) / n for k in COLLECTIVES}, "exposed_ms": exposed,
+            "exposed_share": exposed / step_ms}
 
 
 def steady_rate(records: list[dict]) -> float:
@@ -171,9 +189,10 @@ def main(argv=None) -> None:
     bound = {key: statistics.median(b[key] for b in bounds) for key in bounds[0]}
     table = markdown_table(
         ["run", "ranks", "tokens/s per rank", "efficiency", "vs side by side", "all-gathers / step", "reduce-scatters / step",
-         "all-reduces / step", "all-to-alls / step", "step ms (profiled)", "exposed comm ms / step", "exposed share"],
+         "all-reduces / step", "all-to-alls / step", "collective MiB / step", "step ms (profiled)", "exposed comm ms / step", "exposed share"],
         [[name, r["ranks"], r["tokens_per_s_per_rank"], r["efficiency"], r["vs_side_by_side"],
-          *(r.get("collectives", {}).get(k) for k in COLLECTIVES), r.get("step_ms"), r.get("exposed_ms"),
+          *(r.get("collectives", {}).get(k) for k in COLLECTIVES),
+          sum(r["mib"].values()) if "mib" in r else None, r.get("step_ms"), r.get("exposed_ms"),
           r.get("exposed_share")] for name, r in table_rows.items()])
     table += "\n\n" + markdown_table(["round", *bound], [[k, *b.values()] for k, b in enumerate(bounds, 1)]
                                        + [["median", *bound.values()]]) + "\n"

@@ -2,8 +2,9 @@
 ``--profile-step-start``, ``--profile-step-end``, ``--profile-ranks``).
 
 Each profiled rank writes one Chrome trace, ``RUN_DIR/profile/rank<R>_steps<A>-<B>.json``, with
-the host's operators (ATen ops, compiled-graph calls, collectives and their waits) and, on cuda,
-the device's kernels. Open it in ``chrome://tracing`` or https://ui.perfetto.dev.
+the host's operators (ATen ops, compiled-graph calls, collectives and their waits) with their
+input shapes and dtypes (so a collective's bytes can be read off it) and, on cuda, the device's
+kernels. Open it in ``chrome://tracing`` or https://ui.perfetto.dev.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)
-            self._profiler = profile(activities=activities)
+            self._profiler = profile(activities=activities, record_shapes=True)
             self._profiler.__enter__()
 
     def after_step(self, step: int) -> None:
