@@ -9,8 +9,9 @@ single processes side by side (``single_pair``, ``single_quad``: the cores and m
 communication; HSDP's 4 ranks share the 2 cores, so only this comparison means something for
 it), and from rank 0's profile of three steps: collectives per step and the MiB a rank hands
 them, the milliseconds per step the main thread spends issuing collectives and waiting for them
-(the exposed communication), and that share of the step. The pair and gloo's own time for one step's FSDP collectives
-(``experiments.scaling.gloo_cost``) bound the dp_shard=2 efficiency (``box_bound``).
+(the exposed communication), and that share of the step. The pair and gloo's own time for one
+step's FSDP collectives (``experiments.scaling.gloo_cost``) bound the dp_shard=2 efficiency
+(``box_bound``).
 ``python -m experiments.scaling [--quick]``, one thread per rank unless ``--threads`` says
 otherwise (two 2-thread processes on 2 cores oversubscribe them: 10x slower); run it with nothing
 else on the machine. Rank 0's Chrome traces are kept in ``results/traces/NAME.json.gz``.
@@ -120,11 +121,11 @@ def profile_summary(trace: Path) -> dict:
     steps = [e for e in events if e["name"].startswith("## Call CompiledFxGraph")]
     main = Counter(e["tid"] for e in steps).most_common(1)[0][0]
     mine = [e for e in events if e["tid"] == main and e["name"].startswith("_c10d_functional::")]
-    kind = {id(e): e["name"].split("::", 1)[1].removesuffix("_out").rstrip("_") for e in mine}
-    kinds = Counter(kind.values())
-    mib = Counter()
+    kinds, mib = Counter(), Counter()
     for e in mine:
-        mib[kind[id(e)]] += input_mib(e)
+        kind = e["name"].split("::", 1)[1].removesuffix("_out").rstrip("_")
+        kinds[kind] += 1
+        mib[kind] += input_mib(e)
     n = len(steps)
     exposed = sum(e["dur"] for e in mine) / 1e3 / n
     step_ms = sum(e["dur"] for e in steps) / 1e3 / n
