@@ -69,7 +69,8 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_and_resumes_exactly(
     assert _losses(runs / "term") == _losses(runs / "fsdp")  # bit-identical on the same layout
 
 
-@pytest.mark.parametrize("layout, nproc", [("single", 1), ("tp=2", 2), ("dp_shard=2,tp=2", 4)])
+@pytest.mark.parametrize("layout, nproc", [("single", 1), ("tp=2", 2),
+                                           pytest.param("dp_shard=2,tp=2", 4, marks=pytest.mark.slow)])
 def test_a_dp_shard_checkpoint_loads_equal_on_other_layouts(runs, layout, nproc, tmp_path, torchrun):
     step_dir = str(runs / "fsdp" / "checkpoints" / "iter_0000010")
     torchrun(1, ["tests/checkpoint_worker.py", step_dir, "single", str(tmp_path / "reference.pt")])

@@ -108,6 +108,7 @@ def _plain_and_donated(cfg, measure) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_donating_step_lowers_to_no_more_inductor_nodes_than_the_plain_step():
     """Writing the new state into the old one must not make Inductor materialise the optimizer's
     intermediate values: each Adam moment's last op reads the old moment first (so it becomes one
@@ -126,6 +127,7 @@ def test_donating_step_lowers_to_no_more_inductor_nodes_than_the_plain_step():
     assert nodes[True] <= 1.05 * nodes[False], nodes
 
 
+@pytest.mark.slow
 def test_donating_step_needs_no_more_memory_than_the_plain_step(tmp_path):
     """Writing into the parameters must not cost Inductor's in-place reuse of the buffers made by ops
     that read them (``lmfunc.compiler.inplace_reuse``). Without it the softmax gradient of each logits
@@ -231,6 +233,7 @@ def test_donating_step_refuses_leaves_that_share_storage():
         step(TrainState.create(params, tx), lm_batch(TINY.vocab_size, 1, 2, 8))
 
 
+@pytest.mark.slow
 def test_more_steps_than_dynamos_recompile_limit_each_compile_their_own_graph():
     """Every built step owns its Dynamo cache: building more steps than ``recompile_limit`` in one
     process (a learning-rate sweep) neither fails nor falls back, and each step keeps its own lr."""

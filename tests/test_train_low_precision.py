@@ -96,3 +96,15 @@ def test_compiled_gradients_equal_eager_as_compiled_in_training(dtype_name):
     batch = lm_batch(cfg.vocab_size, microbatches=2, batch=2, seq=8, seed=3)
     batch["loss_mask"] = torch.ones_like(batch["loss_mask"])
     assert_close_gradients(dtype_name, cfg, False, batch, clip_grad=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+def test_compiled_scan_step_gradients_equal_eager_with_poisoned_memory(dtype_name):
+    """``scan_layers``: the compiled step runs the blocks in Inductor's loop (the forward) and in
+    lmfunc's reversed-scan loop (the backward), whose stacked buffers are written one block at a
+    time; poisoned memory shows a block read before it was written. fp32 is compared with the
+    unrolled step in ``tests/test_scan_layers.py``."""
+    cfg = dataclasses.replace(model_preset("tiny"), cross_entropy_chunk_tokens=TOKENS_PER_MICROBATCH,
+                              scan_layers=True)
+    assert_close_gradients(dtype_name, cfg, True, batch_with_masked_and_unmasked_microbatches(cfg.vocab_size))
