@@ -127,6 +127,25 @@ def test_lmfunc_prediction_by_layout_precision_and_recompute():
     assert tp.activations < single.activations and tp.params < single.params
 
 
+def test_scanned_layers_keep_their_values_whatever_the_recompute_and_hold_two_gradient_copies():
+    """torch's scan keeps what its partitioner chooses (recompute changes nothing, measured) and the
+    backward loop's stacked layer gradients are held next to every layer's kept values."""
+    base = WORKED.validate(1)
+    scan = dataclasses.replace(base.model, scan_layers=True)
+    unrolled = predict_memory(base, {"dp_shard": 1})
+    scanned = predict_memory(base.replace(model=scan), {"dp_shard": 1})
+    scanned_full = predict_memory(base.replace(model=dataclasses.replace(scan, recompute_granularity="full")),
+                                  {"dp_shard": 1})
+    layer_params = local_params(scan, {"dp_shard": 1}, prefix="layers.")
+    assert layer_params == local_params(base.model, {"dp_shard": 1}, prefix="layers.") > 0
+    assert scanned.params == unrolled.params and scanned.activations == unrolled.activations
+    assert unrolled.scan_gradients == 0 and scanned.scan_gradients == 2 * 4 * layer_params
+    assert scanned.peak == unrolled.peak + scanned.scan_gradients
+    assert scanned_full.activations == scanned.activations and scanned_full.peak == scanned.peak
+    assert ("scanned layers' stacked gradients (backward)", scanned.scan_gradients) in scanned.rows()
+    assert scanned.notes == () and "saves no memory with model.scan_layers" in scanned_full.notes[0]
+
+
 def test_cli_errors_are_clear(capsys):
     with pytest.raises(SystemExit) as exit_info:
         plan_main(WORKED_FLAGS + ["--parallel.tp", "2", "--world-size", "3"])

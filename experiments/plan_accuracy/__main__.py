@@ -95,7 +95,7 @@ def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str
         error = predicted / measured - 1
         numbers[name] = {"predicted_mib": predicted / MiB, "measured_mib": measured / MiB, "error": error}
         m = cfg.model
-        rows.append([name, f"h {m.hidden_size}, L {m.num_layers}", m.recompute_granularity,
+        rows.append([name, f"h {m.hidden_size}, L {m.num_layers}" + (", scan" if m.scan_layers else ""), m.recompute_granularity,
                      cfg.precision.compute_dtype, f"{cfg.run.micro_batch_size} x {cfg.data.seq_length}",
                      round(measured / MiB, 1), round(predicted / MiB, 1), f"{100 * error:+.1f}%",
                      round(plan.megatron.weight_and_optimizer / MiB + plan.megatron.activations / MiB, 1)])

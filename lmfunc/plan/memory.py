@@ -14,6 +14,11 @@ What one rank holds during the compiled train step (``lmfunc.train.step``):
 
 The peak is the state plus the compute copies plus the larger of the forward-backward working set
 (activations, the output layer, the gradients made so far) and the optimizer phase (all gradients).
+
+With ``model.scan_layers`` the blocks' backward is one loop over stacked buffers: torch's scan keeps
+what its own partitioner chooses whatever the recompute granularity (the no-recompute values), and
+the layers' stacked fp32 gradients are held in full while every layer's values still are
+(``SCAN_GRADIENT_COPIES``).
 The per-token coefficients count the tensors the compiled step keeps on CPU (fp32 and bf16, every
 recompute granularity), measured with the allocator profiler; ``experiments/plan_accuracy``
 checks the prediction against measurements.
@@ -62,9 +67,9 @@ KEPT_PER_TOKEN = {
     # projection and product (GeLU: its input and output); the attention log-sum-exp per head; two
     # norm statistics.
     "none": LayerValues(hidden=2, query=2, kv=2, ffn=3, heads=1, stats=2),
-    # The compiled step's attention-core recompute keeps what "none" keeps and four more hidden-size
-    # values per layer (the core's inputs are saved again for its recomputation).
-    "selective": LayerValues(hidden=6, query=2, kv=2, ffn=3, heads=1, stats=2),
+    # The compiled step's attention-core recompute keeps exactly what "none" keeps (measured to the
+    # byte): the fused attention kernel keeps no score matrix for it to drop.
+    "selective": LayerValues(hidden=2, query=2, kv=2, ffn=3, heads=1, stats=2),
     # The compiled step's full recompute drops the MLP's values but keeps the attention side's.
     "full": LayerValues(hidden=2, query=2, kv=2, ffn=1, heads=1, stats=2),
 }
@@ -75,6 +80,12 @@ HEAD_VALUES_PER_TOKEN = 7
 """fp32 hidden-size values per token outside the layers while the output layer runs: the embedding
 output, the final norm's input and output, the output layer's input gradient and the
 residual-stream gradients."""
+
+SCAN_GRADIENT_COPIES = 2
+"""With ``scan_layers``: copies of all the layers' fp32 gradients held during the layers' backward,
+next to every layer's kept values (the backward loop's stacked gradient buffers exist before its
+first iteration). Two copies match the measured peaks of scanned models at widths 256 and 512 and
+depths 4 and 8 (``experiments/plan_accuracy``)."""
 
 RECOMPUTED_LAYERS_GRADS = 2
 """With full recompute the peak falls inside the layers' backward pass: it holds one layer's
@@ -93,14 +104,19 @@ class MemoryPlan:
     compute_copies: int
     activations: int
     """Kept by the layers for one microbatch."""
+    scan_gradients: int
+    """The scanned layers' stacked gradient buffers held during their backward (0 unrolled)."""
     head: int
     """Embedding, final norm, output layer and one logits chunk, for one microbatch."""
     peak: int
+    notes: tuple[str, ...] = ()
+    """What the user should know about the prediction (printed under it)."""
 
     def rows(self) -> list[tuple[str, int]]:
         return [("fp32 params + Adam moments (donated state)", self.state), ("fp32 gradients", self.grads),
                 ("compute copies of the params", self.compute_copies),
                 ("activations kept by the layers (1 microbatch)", self.activations),
+                *([("scanned layers' stacked gradients (backward)", self.scan_gradients)] if self.scan_gradients else []),
                 ("embedding, output layer and logits chunk", self.head), ("peak step memory", self.peak)]
 
 
@@ -118,9 +134,9 @@ def local_params(cfg: ModelConfig, sizes: dict[str, int], data_parallel_sharded:
 def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     """lmfunc's peak step memory on the most-loaded rank of the mesh ``sizes`` (mesh dim -> size):
     the state and compute copies plus the largest of three phases: the output layer's (the layers'
-    kept values and the head's working set), inside the layers' backward (with full recompute: the
-    kept values, one recomputed MLP and about two layers' gradients) and the optimizer's (all
-    gradients)."""
+    kept values and the head's working set; with ``scan_layers`` also the stacked layer gradients),
+    inside the layers' backward (with full recompute: the kept values, one recomputed MLP and about
+    two layers' gradients) and the optimizer's (all gradients)."""
     m = cfg.model
     tp = sizes.get("tp", 1)
     compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
@@ -131,18 +147,29 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     compute_copies = (compute_bytes * gathered if low_precision or gathered != params else 0)
     tokens = cfg.run.micro_batch_size * cfg.data.seq_length
     sequence_parallel = m.sequence_parallel and tp > 1
-    layers = m.num_layers + m.mtp_num_layers
-    kept = KEPT_PER_TOKEN[m.recompute_granularity]
-    if m.activation != "swiglu":
-        kept = dataclasses.replace(kept, ffn=max(kept.ffn - 1, 0))
-    activations = int(layers * tokens * kept.per_token_bytes(m, tp, sequence_parallel, compute_bytes))
+    scanned = m.num_layers if m.scan_layers else 0
+
+    def kept_bytes(granularity: str) -> float:
+        kept = KEPT_PER_TOKEN[granularity]
+        if m.activation != "swiglu":
+            kept = dataclasses.replace(kept, ffn=max(kept.ffn - 1, 0))
+        return tokens * kept.per_token_bytes(m, tp, sequence_parallel, compute_bytes)
+
+    unrolled = m.num_layers + m.mtp_num_layers - scanned
+    activations = int(scanned * kept_bytes("none") + unrolled * kept_bytes(m.recompute_granularity))
+    scan_gradients = SCAN_GRADIENT_COPIES * 4 * local_params(m, sizes, prefix="layers.") if scanned else 0
     chunk = tokens if m.cross_entropy_chunk_tokens == 0 else min(tokens, m.cross_entropy_chunk_tokens)
     head = int(4 * tokens * m.hidden_size * HEAD_VALUES_PER_TOKEN + 4 * chunk * m.vocab_size / tp)
-    phases = [activations + head, grads]
-    if m.recompute_granularity == "full":
+    phases = [activations + scan_gradients + head, grads]
+    if m.recompute_granularity == "full" and not scanned:
         layer_grads = 4 * local_params(dataclasses.replace(m, scan_layers=False), sizes, prefix="layers.0.")
         recomputed_mlp = tokens * compute_bytes * (3 if m.activation == "swiglu" else 2) * m.ffn_size / tp
         phases.append(int(activations + recomputed_mlp + RECOMPUTED_LAYERS_GRADS * layer_grads))
     peak = state + compute_copies + max(phases)
+    notes = ()
+    if scanned and m.recompute_granularity != "none":
+        notes = (f"model.recompute_granularity={m.recompute_granularity} saves no memory with model.scan_layers "
+                 "(torch's scan keeps the values its own partitioner chooses), so this counts what no recompute "
+                 "keeps; unrolled layers (--model.no-scan-layers) recompute",)
     return MemoryPlan(sizes=dict(sizes), params=params, state=state, grads=grads, compute_copies=compute_copies,
-                      activations=activations, head=head, peak=peak)
+                      activations=activations, scan_gradients=scan_gradients, head=head, peak=peak, notes=notes)

@@ -74,4 +74,5 @@ def format_plan(plan: Plan) -> str:
     mem = plan.lmfunc
     lines.append(f"lmfunc's prediction for the most-loaded rank ({_count(mem.params)} parameter elements in its shards):")
     lines += [f"  {name:<48s} {value / MiB:10.2f} MiB" for name, value in mem.rows()]
+    lines += [f"  note: {note}" for note in mem.notes]
     return "\n".join(lines)
