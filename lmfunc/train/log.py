@@ -12,6 +12,7 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from lmfunc.config.model import ConfigError
+from lmfunc.train.state import TrainState
 
 
 def _tensorboard_writer_class():
@@ -129,6 +130,26 @@ class RunLogger:
             self._wandb_run.finish()
         if self._file is not None:
             self._file.close()
+
+
+def step_extras(metrics: dict, state: TrainState) -> dict[str, float]:
+    """The MTP losses of the last step and the loss scaler's state, for the log line and record."""
+    extra = {k: float(v) for k, v in metrics.items() if k.startswith("mtp_")}
+    if state.loss_scale is not None:
+        extra["loss_scale"] = float(state.loss_scale.scale)
+        extra["skipped_steps"] = float(state.loss_scale.skipped_steps)
+    return extra
+
+
+def train_line(step: int, train_iters: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float],
+               tokens_per_s: Optional[float], mfu: Optional[float], memory: dict[str, float]) -> str:
+    """The console line of a log interval: the interval's mean loss, the last step's grad norm, lr
+    and ``extra`` values, throughput and MFU, and the peak memory (CUDA's allocator, or RSS)."""
+    return (f"step {step:>6d}/{train_iters} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.3e} | "
+            + "".join(f"{k.replace('_', ' ')} {v:.4g} | " for k, v in extra.items())
+            + (f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "tok/s - | MFU -")
+            + (f" | mem {memory['cuda_peak_allocated']:.0f} MiB CUDA peak" if "cuda_peak_allocated" in memory
+               else f" | mem {memory['peak_rss']:.0f} MiB peak RSS"))
 
 
 def read_log(path: str) -> list[dict]:

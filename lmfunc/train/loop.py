@@ -31,20 +31,20 @@ from lmfunc.parallel.sharding import full_tensors
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype, set_tf32
 from lmfunc.train.batch_plan import BatchPlan
 from lmfunc.train.grad_underflow import gradient_underflow
-from lmfunc.train.resume import RunPaths, broadcast, check_writable, prepare_run_paths, restore_state
+from lmfunc.train.resume import check_writable, prepare_run_paths_on_every_rank, restore_state
 from lmfunc.train.run_checkpoints import RunCheckpoints
 from lmfunc.train.run_lock import RunLock
-from lmfunc.train.log import RunLogger, WandbSettings
+from lmfunc.train.log import RunLogger, WandbSettings, step_extras, train_line
 from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
-from lmfunc.train.params import init_params, place_params
+from lmfunc.train.params import initial_params
 from lmfunc.train.profiling import StepProfiler
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
 from lmfunc.train.skipped_steps import first_step_overflow, mostly_skipped
 from lmfunc.train.state import TrainState
-from lmfunc.train.step import distributed_context, make_eval_step, make_train_step
+from lmfunc.train.step import distributed_context, evaluate, make_eval_step, make_train_step
 from lmfunc.tree import tree_size
 
 
@@ -59,24 +59,6 @@ class RunResult:
     val_losses: list[tuple[int, float]]
     sample: Optional[str]
     exit_reason: str
-
-
-def _evaluate(eval_step, params, batches: list[dict]) -> float:
-    """Mean loss per token over ``batches``."""
-    loss_sum, count = 0.0, 0.0
-    for batch in batches:
-        out = eval_step(params, batch)
-        loss_sum, count = loss_sum + float(out["loss_sum"]), count + float(out["num_tokens"])
-    return loss_sum / max(count, 1.0)
-
-
-def _step_extras(metrics: dict, state: TrainState) -> dict[str, float]:
-    """The MTP losses of the last step and the loss scaler's state, for the log line and record."""
-    extra = {k: float(v) for k, v in metrics.items() if k.startswith("mtp_")}
-    if state.loss_scale is not None:
-        extra["loss_scale"] = float(state.loss_scale.scale)
-        extra["skipped_steps"] = float(state.loss_scale.skipped_steps)
-    return extra
 
 
 def _sample_text(params, cfg: TrainConfig, tokenizer) -> Optional[str]:
@@ -112,33 +94,6 @@ def train(cfg: TrainConfig) -> RunResult:
         return result
     finally:
         dist.destroy_process_group()
-
-
-def _run_paths(cfg: TrainConfig, main_rank: bool) -> tuple[RunPaths, list[RunLock]]:
-    """Rank 0's ``prepare_run_paths`` on every rank (its ConfigError raised on every rank); the
-    locks it took (rank 0 only)."""
-    decision: object = None
-    locks: list[RunLock] = []
-    if main_rank:
-        try:
-            decision, locks = prepare_run_paths(cfg)
-        except ConfigError as err:
-            decision = err
-    decision = broadcast(decision)
-    if isinstance(decision, ConfigError):
-        raise decision
-    return decision, locks
-
-
-def _initial_params(cfg: TrainConfig, layout: Layout, resuming: bool):
-    """Freshly initialised parameters, or those imported from ``checkpoint.load_hf`` (unless the run
-    resumes from its own checkpoint), in the layout."""
-    if cfg.checkpoint.load_hf is not None and not resuming:
-        from lmfunc.checkpoint.hf import load_llama
-
-        return place_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, layout.mesh,
-                            device=layout.device)
-    return init_params(cfg.model, layout.mesh, seed=cfg.run.seed, device=layout.device)
 
 
 def _train(cfg: TrainConfig, tokenizer, layout: Layout) -> RunResult:
@@ -187,7 +142,7 @@ class _Run:
         if self.train_iters < 1:
             raise ConfigError(f"run.train_samples ({run.train_samples}) is less than one global batch; train longer")
         self.train_data, self.valid_data = run_datasets(cfg, self.tokenizer, self.train_iters)
-        self.paths, self.locks = _run_paths(cfg, self.main_rank)
+        self.paths, self.locks = prepare_run_paths_on_every_rank(cfg, self.main_rank)
         self.cfg = cfg = self.paths.cfg
         self.run_dir = self.paths.run_dir if self.main_rank else None
         wandb = (WandbSettings(cfg.log.wandb_project, cfg.log.wandb_exp_name, cfg.log.wandb_save_dir, config_to_dict(cfg))
@@ -246,7 +201,7 @@ class _Run:
         schedule = build_lr_schedule(cfg, plan, iters, device=device)
         decoupled = (build_lr_schedule(cfg, plan, iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr, device)
                      if cfg.optim.decoupled_lr is not None else None)
-        params = _initial_params(cfg, self.layout, resuming=self.paths.load_step is not None)
+        params = initial_params(cfg, self.layout, resuming=self.paths.load_step is not None)
         tx = build_optimizer(cfg, schedule, params, decoupled)
         loss_scale = cfg.precision.loss_scaling()
         dtype = compute_dtype(cfg.precision.compute_dtype)
@@ -364,20 +319,14 @@ class _Run:
         mean_loss = sum(self.interval_losses) / len(self.interval_losses)
         memory = memory_stats_mib(self.layout.device)
         mfu = tokens_per_s * self.flops_token / self.peak_flops if tokens_per_s else None
-        extra = _step_extras(metrics, self.state)
+        extra = step_extras(metrics, self.state)
         grad_norm, lr = float(metrics["grad_norm"]), float(metrics["lr"])
         self.logger.record(
             "train", step, loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=tokens_per_s, mfu=mfu,
             consumed_samples=self.consumed, global_batch_size=global_batch,
             **extra, **{f"mem_{k}_mib": round(v, 1) for k, v in memory.items()},
         )
-        self.logger.echo(
-            f"step {step:>6d}/{self.train_iters} | loss {mean_loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.3e} | "
-            + "".join(f"{k.replace('_', ' ')} {v:.4g} | " for k, v in extra.items())
-            + (f"{tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}%" if tokens_per_s else "tok/s - | MFU -")
-            + (f" | mem {memory['cuda_peak_allocated']:.0f} MiB CUDA peak" if "cuda_peak_allocated" in memory
-               else f" | mem {memory['peak_rss']:.0f} MiB peak RSS")
-        )
+        self.logger.echo(train_line(step, self.train_iters, mean_loss, grad_norm, lr, extra, tokens_per_s, mfu, memory))
         self.train_losses.append((step, mean_loss))
         self.interval_losses = []
         self.meter.reset()
@@ -395,7 +344,7 @@ class _Run:
 
     def _validate(self, step: int) -> None:
         began = time.perf_counter()
-        val_loss = _evaluate(self.eval_step, self.state.params, self.eval_batches)
+        val_loss = evaluate(self.eval_step, self.state.params, self.eval_batches)
         self.val_losses.append((step, val_loss))
         ppl = math.exp(min(val_loss, 50.0))
         self.logger.record("valid", step, loss=val_loss, ppl=ppl)

@@ -10,7 +10,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lmfunc import model
 from lmfunc.config import ModelConfig
+from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
+from lmfunc.parallel.mesh import Layout
 from lmfunc.parallel.sharding import DEFAULT_RULES, Rules, init_sharded, shard_params
 from lmfunc.tree import PyTree, tree_map
 
@@ -31,3 +33,14 @@ def place_params(params: PyTree, cfg: ModelConfig, mesh: Optional[DeviceMesh], r
     if mesh is None:
         return tree_map(lambda leaf: leaf.to(device), params)
     return shard_params(params, model.param_axes(cfg), mesh, rules)
+
+
+def initial_params(cfg: TrainConfig, layout: Layout, resuming: bool) -> PyTree:
+    """Freshly initialised parameters, or those imported from ``checkpoint.load_hf`` (unless the run
+    resumes from its own checkpoint), in the layout."""
+    if cfg.checkpoint.load_hf is not None and not resuming:
+        from lmfunc.checkpoint.hf import load_llama
+
+        return place_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, layout.mesh,
+                            device=layout.device)
+    return init_params(cfg.model, layout.mesh, seed=cfg.run.seed, device=layout.device)

@@ -195,6 +195,22 @@ def broadcast(value: object) -> object:
     return box[0]
 
 
+def prepare_run_paths_on_every_rank(cfg: TrainConfig, main_rank: bool) -> tuple[RunPaths, list[RunLock]]:
+    """Rank 0's ``prepare_run_paths`` on every rank (its ConfigError raised on every rank); the
+    locks it took (rank 0 only)."""
+    decision: object = None
+    locks: list[RunLock] = []
+    if main_rank:
+        try:
+            decision, locks = prepare_run_paths(cfg)
+        except ConfigError as err:
+            decision = err
+    decision = broadcast(decision)
+    if isinstance(decision, ConfigError):
+        raise decision
+    return decision, locks
+
+
 @dataclass
 class Restored:
     """The state a run starts from and where it came from (None: freshly initialised)."""

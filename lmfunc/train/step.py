@@ -113,6 +113,15 @@ def make_eval_step(
     return _callable_step(eval_step, compile, backend, precompile=precompile, bucket_size_mb=bucket_size_mb)
 
 
+def evaluate(eval_step, params, batches: list[dict]) -> float:
+    """Mean loss per token over ``batches``."""
+    loss_sum, count = 0.0, 0.0
+    for batch in batches:
+        out = eval_step(params, batch)
+        loss_sum, count = loss_sum + float(out["loss_sum"]), count + float(out["num_tokens"])
+    return loss_sum / max(count, 1.0)
+
+
 def make_train_step(
     cfg: ModelConfig,
     tx: GradientTransformation,
