@@ -107,14 +107,16 @@ def _collective_events(call: Callable[[], object], shapes: bool) -> list:
     return [event for event in prof.events() if event.name.startswith("_c10d_functional::")]
 
 
-def _kind(event) -> str:
-    return event.name.split("::", 1)[1].removesuffix("_out").rstrip("_")
+def collective_kind(op_name: str) -> str:
+    """The collective of a profiled ``_c10d_functional::`` op name, e.g. ``all_reduce`` for
+    ``_c10d_functional::all_reduce_`` (in-place and ``_out`` variants count as their collective)."""
+    return op_name.split("::", 1)[1].removesuffix("_out").rstrip("_")
 
 
 def count_step_collectives(call: Callable[[], object]) -> dict[str, int]:
     """The collectives ``call()`` issues on this rank, by kind, from the profiler's host events
     (``_c10d_functional`` ops; an ``_out`` variant counts as its op)."""
-    counts = Counter(_kind(event) for event in _collective_events(call, shapes=False))
+    counts = Counter(collective_kind(event.name) for event in _collective_events(call, shapes=False))
     return {kind: counts.get(kind, 0) for kind in KINDS}
 
 
@@ -124,7 +126,7 @@ def step_collective_elements(call: Callable[[], object]) -> dict[str, int]:
     elements = Counter()
     for event in _collective_events(call, shapes=True):
         shape = event.input_shapes[0] if event.input_shapes else []
-        elements[_kind(event)] += math.prod(shape) if shape else 0
+        elements[collective_kind(event.name)] += math.prod(shape) if shape else 0
     return {kind: elements.get(kind, 0) for kind in KINDS}
 
 

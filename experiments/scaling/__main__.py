@@ -31,6 +31,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from experiments.bench.comm import collective_kind
 from experiments.harness import (
     REPO, Options, Run, conclude, load_results, markdown_table, parse_options, run_training, series, write_json,
 )
@@ -123,7 +124,7 @@ def profile_summary(trace: Path) -> dict:
     mine = [e for e in events if e["tid"] == main and e["name"].startswith("_c10d_functional::")]
     kinds, mib = Counter(), Counter()
     for e in mine:
-        kind = e["name"].split("::", 1)[1].removesuffix("_out").rstrip("_")
+        kind = collective_kind(e["name"])
         kinds[kind] += 1
         mib[kind] += input_mib(e)
     n = len(steps)
