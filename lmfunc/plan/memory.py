@@ -14,14 +14,14 @@ What one rank holds during the compiled train step (``lmfunc.train.step``):
 
 The peak is the state plus the compute copies plus the larger of the forward-backward working set
 (activations, the output layer, the gradients made so far) and the optimizer phase (all gradients).
+The per-token coefficients count the tensors the compiled step keeps on CPU (fp32 and bf16, every
+recompute granularity), measured with the allocator profiler; ``experiments/plan_accuracy``
+checks the prediction against measurements.
 
 With ``model.scan_layers`` the blocks' backward is one loop over stacked buffers: torch's scan keeps
 what its own partitioner chooses whatever the recompute granularity (the no-recompute values), and
 the layers' stacked fp32 gradients are held in full while every layer's values still are
 (``SCAN_GRADIENT_COPIES``).
-The per-token coefficients count the tensors the compiled step keeps on CPU (fp32 and bf16, every
-recompute granularity), measured with the allocator profiler; ``experiments/plan_accuracy``
-checks the prediction against measurements.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     head = int(4 * tokens * m.hidden_size * HEAD_VALUES_PER_TOKEN + 4 * chunk * m.vocab_size / tp)
     phases = [activations + scan_gradients + head, grads]
     if m.recompute_granularity == "full" and not scanned:
-        layer_grads = 4 * local_params(dataclasses.replace(m, scan_layers=False), sizes, prefix="layers.0.")
+        layer_grads = 4 * local_params(m, sizes, prefix="layers.0.")
         recomputed_mlp = tokens * compute_bytes * (3 if m.activation == "swiglu" else 2) * m.ffn_size / tp
         phases.append(int(activations + recomputed_mlp + RECOMPUTED_LAYERS_GRADS * layer_grads))
     peak = state + compute_copies + max(phases)
