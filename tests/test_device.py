@@ -81,6 +81,34 @@ def test_gpu_peak_flops_table():
     assert peak_flops(torch.device("cpu"), "fp32", False, 5e9) == (5e9, "configured (log.peak_flops)")
 
 
+def test_the_cuda_memory_report_restarts_its_peak_after_the_first_step(monkeypatch):
+    """The first step's CUDA peak includes compiling; the end report must be the steps' own peak."""
+    from lmfunc.plan import make_plan
+    from lmfunc.train.memory_watch import MemoryWatch
+
+    peaks, resets = iter([300 * 2**20, 200 * 2**20]), []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(peaks))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 400 * 2**20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: resets.append(a))
+
+    class Logger:
+        lines, records = [], []
+
+        def echo(self, line):
+            self.lines.append(line)
+
+        def record(self, kind, step, **values):
+            self.records.append(values)
+
+    cfg = TrainConfig(model=model_preset("tiny"), data=DataConfig(seq_length=8), run=RunConfig(micro_batch_size=2))
+    watch, logger = MemoryWatch(make_plan(cfg.validate(1), 1), torch.device("cuda")), Logger()
+    first = watch.report(logger, 1, "first step")
+    assert len(resets) == 1
+    end = watch.report(logger, 9, "end")
+    assert len(resets) == 1 and (first["cuda_peak_allocated_mib"], end["cuda_peak_allocated_mib"]) == (300.0, 200.0)
+    assert "(compiling included) 300.0 MiB" in logger.lines[0] and "(since the first step) 200.0 MiB" in logger.lines[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the device path itself is tested on "
                     "the meta device above; docs/performance.md has the GPU recipe")
 def test_training_on_cuda(tmp_path):

@@ -154,3 +154,26 @@ def test_cli_errors_are_clear(capsys):
     with pytest.raises(SystemExit):
         plan_main(WORKED_FLAGS + ["--world-size", "0"])
     assert "--world-size must be positive" in capsys.readouterr().err
+
+
+def test_a_cuda_plan_counts_cublas_workspace(monkeypatch):
+    """The caching allocator holds cuBLAS's workspace (32 MiB on an H200, measured): a cuda plan adds
+    torch's default for the GPU's compute capability, or CUBLAS_WORKSPACE_CONFIG's size."""
+    import torch
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = WORKED.validate(1)
+    on_cpu = predict_memory(base.replace(run=dataclasses.replace(base.run, device="cpu")), {"dp_shard": 1})
+    cuda_cfg = base.replace(run=dataclasses.replace(base.run, device="cuda"))
+    assumed = predict_memory(cuda_cfg, {"dp_shard": 1})
+    assert on_cpu.workspace == 0 and "cuBLAS workspace (CUDA)" not in dict(on_cpu.rows())
+    assert assumed.workspace == 32 * 2**20 and assumed.peak == on_cpu.peak + 32 * 2**20
+    assert dict(assumed.rows())["cuBLAS workspace (CUDA)"] == 32 * 2**20
+    assert "assumes compute capability 9.0" in assumed.notes[0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    ampere = predict_memory(cuda_cfg, {"dp_shard": 1})
+    assert ampere.workspace == 8 * 2**20 + 128 * 2**10 and ampere.notes == ()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert predict_memory(cuda_cfg, {"dp_shard": 1}).workspace == 16 * 8 * 1024

@@ -22,13 +22,21 @@ With ``model.scan_layers`` the blocks' backward is one loop over stacked buffers
 what its own partitioner chooses whatever the recompute granularity (the no-recompute values), and
 the layers' stacked fp32 gradients are held in full while every layer's values still are
 (``SCAN_GRADIENT_COPIES``).
+
+On cuda the caching allocator also holds cuBLAS's workspace from the first matmul on
+(``cublas_workspace_bytes``): torch's default is 32 MiB on compute capability 9.0 and newer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
 
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.train import TrainConfig
@@ -109,6 +117,8 @@ class MemoryPlan:
     head: int
     """Embedding, final norm, output layer and one logits chunk, for one microbatch."""
     peak: int
+    workspace: int = 0
+    """CUDA libraries' workspace held by the caching allocator (cuBLAS; 0 on the CPU)."""
     notes: tuple[str, ...] = ()
     """What the user should know about the prediction (printed under it)."""
 
@@ -117,7 +127,28 @@ class MemoryPlan:
                 ("compute copies of the params", self.compute_copies),
                 ("activations kept by the layers (1 microbatch)", self.activations),
                 *([("scanned layers' stacked gradients (backward)", self.scan_gradients)] if self.scan_gradients else []),
-                ("embedding, output layer and logits chunk", self.head), ("peak step memory", self.peak)]
+                ("embedding, output layer and logits chunk", self.head),
+                *([("cuBLAS workspace (CUDA)", self.workspace)] if self.workspace else []),
+                ("peak step memory", self.peak)]
+
+
+def cublas_workspace_bytes(device: str) -> tuple[int, Optional[str]]:
+    """Bytes of cuBLAS workspace that torch allocates through the CUDA caching allocator (so
+    ``max_memory_allocated`` counts it) for a run on ``device`` ('auto', 'cpu' or 'cuda'), and a note
+    when the GPU was assumed. ``CUBLAS_WORKSPACE_CONFIG`` (':SIZE_KiB:COUNT' pairs) decides; torch's
+    default is ':4096:8' (32 MiB) on compute capability 9.0 and newer, ':4096:2:16:8' (8.125 MiB)
+    before. Without a visible GPU a cuda plan assumes 9.0 (H100/H200)."""
+    available = torch.cuda.is_available()
+    if device == "cpu" or (device == "auto" and not available):
+        return 0, None
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        pairs = re.findall(r":(\d+):(\d+)", config)
+        return sum(1024 * int(size) * int(count) for size, count in pairs), None
+    major = torch.cuda.get_device_capability()[0] if available else 9
+    note = None if available else ("no GPU visible: the cuBLAS workspace assumes compute capability 9.0 "
+                                   "(32 MiB; 8.125 MiB before 9.0)")
+    return (32 * 2**20 if major >= 9 else 8 * 2**20 + 128 * 2**10), note
 
 
 def local_params(cfg: ModelConfig, sizes: dict[str, int], data_parallel_sharded: bool = True, prefix: str = "") -> int:
@@ -165,11 +196,12 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
         layer_grads = 4 * local_params(m, sizes, prefix="layers.0.")
         recomputed_mlp = tokens * compute_bytes * (3 if m.activation == "swiglu" else 2) * m.ffn_size / tp
         phases.append(int(activations + recomputed_mlp + RECOMPUTED_LAYERS_GRADS * layer_grads))
-    peak = state + compute_copies + max(phases)
-    notes = ()
+    workspace, workspace_note = cublas_workspace_bytes(cfg.run.device)
+    peak = state + compute_copies + max(phases) + workspace
+    notes = (workspace_note,) if workspace_note else ()
     if scanned and m.recompute_granularity != "none":
-        notes = (f"model.recompute_granularity={m.recompute_granularity} saves no memory with model.scan_layers "
+        notes += (f"model.recompute_granularity={m.recompute_granularity} saves no memory with model.scan_layers "
                  "(torch's scan keeps the values its own partitioner chooses), so this counts what no recompute "
                  "keeps; unrolled layers (--model.no-scan-layers) recompute",)
     return MemoryPlan(sizes=dict(sizes), params=params, state=state, grads=grads, compute_copies=compute_copies,
-                      activations=activations, scan_gradients=scan_gradients, head=head, peak=peak, notes=notes)
+                      activations=activations, scan_gradients=scan_gradients, head=head, peak=peak, workspace=workspace, notes=notes)

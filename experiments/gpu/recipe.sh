@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU recipe of docs/performance.md ("On a GPU") on one lent GPU whose image holds torch 2.11:
+# the code runs from a patched scratch copy (experiments/gpu/torch211.py), and the pure-Python
+# packages the image lacks (tyro, typeguard, docstring-parser) come as wheels in .whl/ when present.
+#   bash experiments/gpu/recipe.sh            # from the repository root; logs go to $OUT (default ./gpu-out)
+# Phase 1 runs the plan, the device tests, a bf16 and a TF32 training run and a one-process
+# torchrun (NCCL) run side by side (their compiles share the CPU; their tok/s share the GPU).
+# Phases 2 and 3 run the train-step benchmark alone: the default workload, then GPT-2 small.
+set -u
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+python3 -m experiments.gpu.torch211 /tmp/lmfunc211 || exit 1
+cd /tmp/lmfunc211 || exit 1
+export PYTHONPATH=/tmp/lmfunc211:${PYTHONPATH:-}
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+    echo "cpus $(nproc)"
+} > "$OUT/machine.log" 2>&1
+
+echo "phase 1 $(date +%T)"
+timeout 240 python3 -m lmfunc.plan --precision.compute-dtype bf16 > "$OUT/plan.log" 2>&1 &
+timeout 240 python3 -m pytest -q tests/test_device.py -rs -p no:cacheprovider > "$OUT/pytest.log" 2>&1 &
+timeout 240 python3 -m lmfunc.train --run.device cuda --precision.compute-dtype bf16 --run.train-iters 300 \
+    --run.out-dir /tmp/runs/bf16 > "$OUT/train_bf16.log" 2>&1 &
+timeout 240 python3 -m lmfunc.train --run.device cuda --precision.tf32 --run.train-iters 300 \
+    --run.out-dir /tmp/runs/tf32 > "$OUT/train_tf32.log" 2>&1 &
+timeout 240 torchrun --nproc-per-node 1 -m lmfunc.train --run.device cuda --precision.compute-dtype bf16 \
+    --run.train-iters 50 --run.out-dir /tmp/runs/torchrun > "$OUT/torchrun.log" 2>&1 &
+wait
+tail -n 3 "$OUT"/*.log
+
+echo "phase 2 $(date +%T)"
+timeout 200 python3 -m experiments.bench --device cuda --variants func-compiled module-compiled --repeats 2 \
+    --steps 30 > "$OUT/bench.log" 2>&1
+tail -n 12 "$OUT/bench.log"
+
+echo "phase 3 $(date +%T)"
+timeout 220 python3 -m experiments.bench --device cuda --variants func-compiled module-compiled --repeats 1 \
+    --steps 15 --layers 12 --heads 12 --hidden 768 --seq 1024 --vocab 50304 >> "$OUT/bench.log" 2>&1
+tail -n 12 "$OUT/bench.log"
+(cd /tmp && find runs -name log.jsonl | tar czf "$OUT/runs.tar.gz" -T -)
+echo "done $(date +%T)"

@@ -1,0 +1,104 @@
+"""Make a scratch copy of the repository that runs on torch 2.11, the torch of the lent GPU
+machines' image (lmfunc pins 2.13; a CUDA build of 2.13 is too large to carry there).
+
+``python -m experiments.gpu.torch211 DEST`` copies ``lmfunc/``, ``experiments/``, ``tests/`` and
+``pyproject.toml`` to DEST and applies three edits to the copy, never to this checkout:
+
+1. ``lmfunc.grad.value_and_grad`` differentiates through ``torch.func.grad_and_value``: torch
+   2.11's Dynamo refuses the ``requires_grad_()`` on fresh leaves that lmfunc's own version
+   traces under 2.13. torch.func hides the DTensor API, so the copy is for plain-tensor (one
+   process, or data-parallel-free) runs; its losses equal the pinned torch's on the default job.
+2. The two post-grad passes (recompute, reversed scans) are chained in one pass object: 2.11's
+   Inductor takes one callable where 2.13 takes a list.
+3. ``collective_buckets`` imports ``_resolve_group_name`` only where it exists (2.13 added it).
+
+Each edit must match exactly once, or the script stops and names the file: a changed source
+needs this script updated, not a silently unpatched copy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+COPIED = ("lmfunc", "experiments", "tests", "pyproject.toml")
+
+GRAD_OLD_START = "        inputs = [\n"
+GRAD_OLD_END = "        grad_iter = iter(grads_wrt)\n"
+GRAD_NEW = '''        def of_differentiable(wrt: list) -> tuple[Any, Any]:
+            it = iter(wrt)
+            new_args = list(args)
+            new_args[argnum] = tree_unflatten_as(
+                args[argnum], [next(it) if diff else x for x, diff in zip(leaves, differentiable)])
+            out = fn(*new_args, **kwargs)
+            return out if has_aux else (out, None)
+
+        wrt = [x for x, diff in zip(leaves, differentiable) if diff]
+        grads_wrt, (value, aux) = torch.func.grad_and_value(of_differentiable, has_aux=True)(wrt)
+'''
+
+PASSES_OLD = ('    options: dict[str, Any] = {"post_grad_custom_pre_pass": '
+              '[RematPass(choose_saved), ReversedScanPass()]}\n')
+PASSES_NEW = '''    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Chained(CustomGraphPass):
+        def __init__(self, *passes):
+            self.passes = passes
+
+        def __call__(self, graph):
+            for graph_pass in self.passes:
+                graph_pass(graph)
+
+        def uuid(self):
+            return b"".join(graph_pass.uuid() for graph_pass in self.passes)
+
+    options: dict[str, Any] = {"post_grad_custom_pre_pass": Chained(RematPass(choose_saved), ReversedScanPass())}
+'''
+
+BUCKETS_OLD = "from torch._inductor.fx_passes.bucketing import (\n    _resolve_group_name,\n"
+BUCKETS_NEW = ("try:\n    from torch._inductor.fx_passes.bucketing import _resolve_group_name\n"
+               "except ImportError:\n    _resolve_group_name = None\n"
+               "from torch._inductor.fx_passes.bucketing import (\n")
+
+
+def replace_once(path: Path, old: str, new: str) -> None:
+    """Replace the one occurrence of ``old`` in ``path``; stop with the file's name otherwise."""
+    text = path.read_text()
+    if text.count(old) != 1:
+        sys.exit(f"torch211: expected exactly one match in {path}, found {text.count(old)}; "
+                 "update experiments/gpu/torch211.py for the changed source")
+    path.write_text(text.replace(old, new))
+
+
+def patch_grad(path: Path) -> None:
+    text = path.read_text()
+    start, end = text.find(GRAD_OLD_START), text.find(GRAD_OLD_END)
+    if text.count(GRAD_OLD_START) != 1 or text.count(GRAD_OLD_END) != 1 or end < start:
+        sys.exit(f"torch211: value_and_grad's gradient lines not found in {path}; update experiments/gpu/torch211.py")
+    path.write_text(text[:start] + GRAD_NEW + text[end:])
+
+
+def make_copy(dest: Path) -> None:
+    """Copy the repository's code to ``dest`` (replacing it) and apply the torch 2.11 edits."""
+    if dest.resolve() == ROOT or ROOT in dest.resolve().parents:
+        sys.exit(f"torch211: {dest} lies inside the checkout; give a scratch directory outside it")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=shutil.ignore_patterns("__pycache__", "runs", "cache"))
+        else:
+            shutil.copy2(source, dest / name)
+    patch_grad(dest / "lmfunc" / "grad.py")
+    replace_once(dest / "lmfunc" / "compiler" / "compiling.py", PASSES_OLD, PASSES_NEW)
+    replace_once(dest / "lmfunc" / "compiler" / "collective_buckets.py", BUCKETS_OLD, BUCKETS_NEW)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m experiments.gpu.torch211 DEST  (a scratch directory outside the checkout)")
+    make_copy(Path(sys.argv[1]))
+    print(f"torch211: patched copy in {sys.argv[1]}")
