@@ -1,9 +1,11 @@
 """Where a compiled train step's CUDA memory goes: the caching allocator's history of one step.
 
-``python -m experiments.gpu.memory_snapshot OUT_DIR [--dtype fp32|bf16] [--first]`` builds the
-default job's state and compiled step on cuda exactly as ``experiments.plan_accuracy`` does on the
+``python -m experiments.gpu.memory_snapshot OUT_DIR [--dtype fp32|bf16] [--gpt2-small]`` builds the
+default job's (or the benchmark's GPT-2-small shape's: 12 layers, width 768, 12 heads, seq 1024,
+vocab 50304, batch 8) state and compiled step on cuda exactly as ``experiments.plan_accuracy`` does on the
 CPU, runs two steps, then records the allocator's history
-(``torch.cuda.memory._record_memory_history``) over the third and writes ``OUT_DIR/snapshot_DTYPE.pickle``
+(``torch.cuda.memory._record_memory_history``) over the third and writes
+``OUT_DIR/snapshot_[gpt2_]DTYPE.pickle``
 (read it with ``python -m experiments.gpu.memory_snapshot --read FILE``, or pytorch.org/memory_viz).
 It prints the bytes the state and batch hold, the step's peak above them, lmfunc.plan's
 prediction, and the first step's peak (compilation and autotuning included).
@@ -22,10 +24,25 @@ from pathlib import Path
 MiB = 2**20
 
 
-def measure(out_dir: Path, dtype: str) -> dict:
+def train_config(dtype: str, gpt2_small: bool):
+    """The default job's ``TrainConfig`` in ``dtype``, or the benchmark's GPT-2-small shape."""
+    import dataclasses
+
+    from lmfunc.config import ModelConfig
+    from lmfunc.config.train import PrecisionConfig, TrainConfig
+
+    cfg = TrainConfig(precision=PrecisionConfig(compute_dtype=dtype))
+    if gpt2_small:
+        cfg = cfg.replace(model=ModelConfig(vocab_size=50304, hidden_size=768, num_layers=12, num_attention_heads=12,
+                                            max_position_embeddings=1024),
+                          data=dataclasses.replace(cfg.data, seq_length=1024),
+                          run=dataclasses.replace(cfg.run, micro_batch_size=8, global_batch_size=8))
+    return cfg.validate(1)
+
+
+def measure(out_dir: Path, dtype: str, gpt2_small: bool = False) -> dict:
     import torch
 
-    from lmfunc.config.train import PrecisionConfig, TrainConfig
     from lmfunc.plan import make_plan
     from lmfunc.precision import compute_dtype
     from lmfunc.train.batch_plan import BatchPlan
@@ -36,7 +53,7 @@ def measure(out_dir: Path, dtype: str) -> dict:
     from lmfunc.tree import tree_bytes
 
     device = torch.device("cuda")
-    cfg = TrainConfig(precision=PrecisionConfig(compute_dtype=dtype)).validate(1)
+    cfg = train_config(dtype, gpt2_small)
     plan = BatchPlan.from_config(cfg.run, 1)
     schedule = build_lr_schedule(cfg, plan, cfg.run.train_iters, device=device)
     params = init_params(cfg.model, None, seed=cfg.run.seed, device=device)
@@ -63,7 +80,7 @@ def measure(out_dir: Path, dtype: str) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - held
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.cuda.memory._dump_snapshot(str(out_dir / f"snapshot_{dtype}.pickle"))
+    torch.cuda.memory._dump_snapshot(str(out_dir / f"snapshot_{'gpt2_' if gpt2_small else ''}{dtype}.pickle"))
     torch.cuda.memory._record_memory_history(enabled=None)
     predicted = make_plan(cfg, 1).lmfunc
     return {"dtype": dtype, "held_mib": held / MiB, "state_and_batch_mib": (tree_bytes(state) + tree_bytes(batch)) / MiB,
@@ -112,4 +129,4 @@ if __name__ == "__main__":
     else:
         out = Path(args[0])
         dtype = args[args.index("--dtype") + 1] if "--dtype" in args else "fp32"
-        print(json.dumps(measure(out, dtype)))
+        print(json.dumps(measure(out, dtype, gpt2_small="--gpt2-small" in args)))
