@@ -74,6 +74,15 @@ class ParallelConfig:
     virtual_stages: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved schedules); planned by ``python -m lmfunc.plan``,
     not trainable yet."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (pp > 1): gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv or dualpipev
+    (``lmfunc.config.pipeline``: each one's stage placement and microbatch rule)."""
+    pp_first_stage_layers: Optional[int] = None
+    """Layers on the pipeline's first stage (it also holds the embedding); the others split the rest
+    evenly (Megatron's --decoder-first-pipeline-num-layers). Unset: an even split."""
+    pp_last_stage_layers: Optional[int] = None
+    """Layers on the pipeline's last stage (it also holds the output layer, the loss and MTP); the
+    others split the rest evenly (Megatron's --decoder-last-pipeline-num-layers). Unset: an even split."""
     bucket_collectives: bool = True
     """Compiled steps: gather FSDP parameters and reduce-scatter their gradients once per model
     region (embedding, each block, head), prefetching the next region's parameters, and all-reduce

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from lmfunc.config.model import ConfigError
 from lmfunc.config.parallel import check_divisibility
+from lmfunc.config.pipeline import check_microbatches, pipeline_split
 
 if TYPE_CHECKING:
     from lmfunc.config.train import CheckpointConfig, PrecisionConfig, RunConfig, TrainConfig
@@ -121,6 +122,24 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
              "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory")
 
 
+def _validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
+    """The layer split and the schedule's microbatch rule (``lmfunc.config.pipeline``) of a pp > 1
+    run, or of a layer split given without one."""
+    p = cfg.parallel
+    uneven = p.pp_first_stage_layers is not None or p.pp_last_stage_layers is not None
+    if p.pp == 1 and p.virtual_stages is None and not uneven:
+        return
+    _require(p.pp > 1, "parallel.virtual_stages / pp_first_stage_layers / pp_last_stage_layers split a pipeline: "
+                       "set --parallel.pp to 2 or more, or drop them")
+    split = pipeline_split(cfg.model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
+                           p.pp_last_stage_layers)
+    run = cfg.run
+    if run.global_batch_size is not None and run.micro_batch_size:
+        per_rank = run.micro_batch_size * p.data_parallel_size(world_size)
+        if run.global_batch_size % per_rank == 0:
+            check_microbatches(p.pp_schedule, split, run.global_batch_size // per_rank)
+
+
 def untrainable_features(cfg: TrainConfig) -> list[str]:
     """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet, each named
     with its value (empty when the run is trainable)."""
@@ -149,6 +168,7 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
              "not take the DTensor parameters of a parallel layout yet; turn it off (--model.no-scan-layers) "
              "for multi-process runs")
     _validate_batch(run, cfg.parallel.data_parallel_size(world_size))
+    _validate_pipeline(cfg, world_size)
     _require(cfg.parallel.bucket_size_mb > 0, f"parallel.bucket_size_mb must be positive, got {cfg.parallel.bucket_size_mb}")
     _validate_length(cfg)
     _positive(data.seq_length, "data.seq_length")
