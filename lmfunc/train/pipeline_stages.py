@@ -1,0 +1,43 @@
+"""The parameters of each pipeline stage: subtrees of the model's pytree under their model-wide
+names, so a stage's checkpoint shards line up with every other pp size's.
+
+Stage ``s`` of a ``PipelineSplit`` (``lmfunc.config.pipeline``) holds ``layers.<i>`` for its
+layers; the first stage also the embedding; the last stage the final norm, the untied output layer
+and the MTP depths. The last stage also needs the token embedding when the output layer is tied to
+it or when MTP runs (each depth embeds the shifted tokens): Megatron keeps a copy of the embedding
+on the last stage and all-reduces its gradient over the "embedding group" (first and last stage).
+``shared_leaves`` names those leaves; their gradients are summed across the stages holding them.
+"""
+
+from __future__ import annotations
+
+from lmfunc.config.model import ModelConfig
+from lmfunc.config.pipeline import PipelineSplit
+from lmfunc.tree import PyTree
+
+
+def shared_leaves(cfg: ModelConfig, split: PipelineSplit) -> tuple[str, ...]:
+    """Dotted names of the leaves held by both the first and the last stage (empty with one stage)."""
+    if split.num_stages == 1 or not (cfg.tie_embeddings or cfg.mtp_num_layers > 0):
+        return ()
+    return ("embed.tokens",)
+
+
+def stage_params(params: PyTree, cfg: ModelConfig, split: PipelineSplit, stage: int) -> PyTree:
+    """The subtree of the (unstacked) parameter tree ``params`` that stage ``stage`` holds; leaves
+    are the same tensors, not copies."""
+    if cfg.scan_layers:
+        raise ValueError("pipeline stages take the unstacked layer tree (model.scan_layers off)")
+    if not 0 <= stage < split.num_stages:
+        raise ValueError(f"stage {stage} is outside 0..{split.num_stages - 1}")
+    held: dict = {"layers": {str(i): params["layers"][str(i)] for i in split.layers[stage]}}
+    if split.holds_embedding(stage):
+        held["embed"] = params["embed"]
+    if split.holds_head(stage):
+        held["final_norm"] = params["final_norm"]
+        for name in ("output", "mtp"):
+            if name in params:
+                held[name] = params[name]
+        if "embed.tokens" in shared_leaves(cfg, split) and "embed" not in held:
+            held["embed"] = {"tokens": params["embed"]["tokens"]}
+    return held
