@@ -2,8 +2,8 @@
 
 On cuda the measurement is the caching allocator's peak (``torch.cuda.max_memory_allocated``,
 tensors and cuBLAS's workspace, directly comparable with the prediction; ``reserved`` also counts
-cached blocks). The first step's peak includes compiling it (Inductor benchmarks kernel
-configurations on that first call; about 65 MiB above the steady step of the default job on an H200),
+cached blocks). The first step's peak includes compiling it (about 65 MiB above the steady step of
+the default job on an H200; Inductor also benchmarks kernel configurations on that first call),
 so the peak counter restarts after that report, and the end report is the peak of the steps after it. On
 the CPU it is the process's peak RSS, which also holds the Python runtime, torch's libraries and
 the compiler's working memory; the RSS measured before the model was built is logged beside it,
