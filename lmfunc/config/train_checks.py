@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from lmfunc.config.model import ConfigError
 from lmfunc.config.parallel import check_divisibility
-from lmfunc.config.pipeline import check_microbatches, pipeline_split
+from lmfunc.config.pipeline import check_microbatches, check_schedule_model, pipeline_split
 
 if TYPE_CHECKING:
     from lmfunc.config.train import CheckpointConfig, PrecisionConfig, RunConfig, TrainConfig
@@ -133,6 +133,7 @@ def _validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
                        "set --parallel.pp to 2 or more, or drop them")
     split = pipeline_split(cfg.model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
                            p.pp_last_stage_layers)
+    check_schedule_model(p.pp_schedule, cfg.model.tie_embeddings)
     run = cfg.run
     if run.global_batch_size is not None and run.micro_batch_size:
         per_rank = run.micro_batch_size * p.data_parallel_size(world_size)

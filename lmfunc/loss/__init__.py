@@ -7,6 +7,7 @@ from lmfunc.loss.chunked_output import IGNORE_INDEX, chunked_output_layer_loss
 from lmfunc.loss.next_token import (
     LossOutput,
     lm_loss,
+    lm_loss_of_hidden,
     lm_loss_sum,
     masked_cross_entropy,
     mtp_aux_loss,
@@ -14,6 +15,7 @@ from lmfunc.loss.next_token import (
 )
 
 __all__ = [
-    "IGNORE_INDEX", "LossOutput", "attach_aux_loss", "chunked_output_layer_loss", "lm_loss", "lm_loss_sum",
+    "IGNORE_INDEX", "LossOutput", "attach_aux_loss", "chunked_output_layer_loss", "lm_loss", "lm_loss_of_hidden",
+    "lm_loss_sum",
     "masked_cross_entropy", "mtp_aux_loss", "output_layer_loss",
 ]

@@ -116,13 +116,29 @@ def lm_loss(
         normalisation). Without it (evaluation) the MTP depths are skipped. It is also the range
         hint of the chunked head (``output_layer_loss``).
     """
+    hidden = model.forward(params, batch["tokens"], cfg, positions=batch.get("position_ids"), doc_ids=batch.get("doc_ids"),
+                           dropout_seed=dropout_seed)
+    return lm_loss_of_hidden(params, hidden, batch, cfg, dropout_seed, mtp_grad_scale, calculate_per_token_loss)
+
+
+def lm_loss_of_hidden(
+    params: model.gpt.Params,
+    hidden: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    dropout_seed: Optional[torch.Tensor] = None,
+    mtp_grad_scale: Optional[torch.Tensor] = None,
+    calculate_per_token_loss: bool = True,
+) -> LossOutput:
+    """``lm_loss`` from the final hidden states ``[B, S, h]`` (``model.forward``'s output): the output
+    layer, the cross entropy and the MTP depths; the last pipeline stage's part. Arguments as
+    ``lm_loss``; MTP reads ``batch["tokens"]``."""
     tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch.get("loss_mask")
     grad_hint = mtp_grad_scale
     if grad_hint is not None and not calculate_per_token_loss:
         count = loss_mask.to(torch.float32).sum() if loss_mask is not None else torch.tensor(float(labels.numel()), device=labels.device)
         grad_hint = grad_hint / torch.clamp(count, min=1.0)
     positions, doc_ids = batch.get("position_ids"), batch.get("doc_ids")
-    hidden = model.forward(params, tokens, cfg, positions=positions, doc_ids=doc_ids, dropout_seed=dropout_seed)
     mtp_sums, mtp_counts = [], []
     if cfg.mtp_num_layers > 0 and mtp_grad_scale is not None:
         mask = loss_mask.to(torch.float32) if loss_mask is not None else torch.ones(labels.shape, device=labels.device)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import NamedTuple, Optional, Union
+from typing import Iterable, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -239,20 +239,43 @@ def forward(
         only when it is given, and is a pure function of it.
     """
     _check_inputs(tokens, cfg, positions, doc_ids)
-    seq = tokens.shape[1]
     if positions is None:
-        positions = torch.arange(seq, device=tokens.device)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    x = embed_input(params, tokens, positions, cfg, dropout_seed)
     with region("embed"):
-        x, rope = embed(params, tokens, positions, cfg)
-    x = layers.dropout(residual_layout(x, cfg.sequence_parallel), cfg.hidden_dropout, dropout_seed, 1)
+        rope = rope_for(positions, cfg)
     mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
-    run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
     if cfg.scan_layers:
+        run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
         x = _scan_blocks(run_block, params["layers"], x, cfg, rope, mask, dropout_seed)
     else:
-        for i in range(cfg.num_layers):
-            with region(f"layers.{i}"):
-                x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
+        x = run_layers(params, x, cfg, rope, mask, dropout_seed, range(cfg.num_layers))
+    return final_hidden(params, x, cfg)
+
+
+def embed_input(params: Params, tokens: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
+                dropout_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The blocks' input ``[B, S, h]``: the embeddings of ``tokens`` ``[B, S]`` in the residual
+    layout, with dropout (stream 1). The first part of ``forward`` (and of a first pipeline stage)."""
+    with region("embed"):
+        x = embed_tokens(params, tokens, positions, cfg)
+    return layers.dropout(residual_layout(x, cfg.sequence_parallel), cfg.hidden_dropout, dropout_seed, 1)
+
+
+def run_layers(params: Params, x: torch.Tensor, cfg: ModelConfig, rope, mask, dropout_seed: Optional[torch.Tensor],
+               indices: Iterable[int]) -> torch.Tensor:
+    """The unstacked blocks ``layers.<i>`` for ``i`` in ``indices`` (model-wide indices: they name the
+    leaves, the regions and the dropout streams), in order, recomputed with full recompute;
+    ``[B, S, h] -> [B, S, h]``. A pipeline stage runs its own indices."""
+    run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
+    for i in indices:
+        with region(f"layers.{i}"):
+            x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
+    return x
+
+
+def final_hidden(params: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The final norm of the last block's output, in the compute layout: ``forward``'s result."""
     with region("head"):
         return compute_layout(layers.norm(params["final_norm"], x, cfg))
 

@@ -138,12 +138,15 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-def clip_by_global_norm_with_norm(tree: PyTree, max_norm: float) -> tuple[PyTree, torch.Tensor]:
+def clip_by_global_norm_with_norm(tree: PyTree, max_norm: float,
+                                  norm: Optional[torch.Tensor] = None) -> tuple[PyTree, torch.Tensor]:
     """Megatron's clip: scale by ``max_norm / (norm + 1e-6)`` only when that is < 1.
 
-    Returns ``(clipped_tree, pre_clip_norm)``; branch-free, so it compiles to one graph.
+    ``norm``: the global norm when ``tree`` is only part of the gradients (a pipeline stage's);
+    default ``global_norm(tree)``. Returns ``(clipped_tree, pre_clip_norm)``; branch-free, so it
+    compiles to one graph.
     """
-    norm = global_norm(tree)
+    norm = global_norm(tree) if norm is None else norm
     coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return tree_unflatten_as(tree, torch._foreach_mul(tree_leaves(tree), coeff)), norm
 

@@ -11,8 +11,13 @@ on the last stage and all-reduces its gradient over the "embedding group" (first
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
+
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import PipelineSplit
+from lmfunc.model import gpt, layers
 from lmfunc.tree import PyTree
 
 
@@ -41,3 +46,17 @@ def stage_params(params: PyTree, cfg: ModelConfig, split: PipelineSplit, stage: 
         if "embed.tokens" in shared_leaves(cfg, split) and "embed" not in held:
             held["embed"] = {"tokens": params["embed"]["tokens"]}
     return held
+
+
+def stage_forward(params: PyTree, x: torch.Tensor, cfg: ModelConfig, split: PipelineSplit, stage: int,
+                  positions: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                  dropout_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Stage ``stage``'s part of ``gpt.forward`` over its ``stage_params``: ``x`` is the tokens
+    ``[B, S]`` on the first stage and the previous stage's output ``[B, S, h]`` on the others; the
+    result is ``[B, S, h]``, final-normed on the last stage. Every stage needs ``positions``
+    (RoPE) and ``doc_ids`` (the document mask); composed over the stages this is ``gpt.forward``."""
+    if split.holds_embedding(stage):
+        x = gpt.embed_input(params, x, positions, cfg, dropout_seed)
+    mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
+    x = gpt.run_layers(params, x, cfg, gpt.rope_for(positions, cfg), mask, dropout_seed, split.layers[stage])
+    return gpt.final_hidden(params, x, cfg) if split.holds_head(stage) else x

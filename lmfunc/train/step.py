@@ -220,17 +220,11 @@ def make_train_step(
             grad_norm = global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = apply_updates(state.params, updates)
-        new_loss_scale = state.loss_scale
         metrics = {
             "loss": loss_total * normaliser, "grad_norm": grad_norm, "num_tokens": num_tokens,
         }
-        optimizer_steps = state.step
-        if found_inf is not None:
-            params = select_tree(found_inf, state.params, params)
-            opt_state = select_tree(found_inf, state.opt_state, opt_state)
-            new_loss_scale = update_loss_scale(state.loss_scale, found_inf, loss_scale)
-            metrics |= {"loss_scale": scale, "skipped": found_inf.to(torch.float32)}
-            optimizer_steps = state.step - state.loss_scale.skipped_steps
+        params, opt_state, new_loss_scale, optimizer_steps = skip_on_overflow(
+            state, params, opt_state, found_inf, loss_scale, metrics)
         for k in range(cfg.mtp_num_layers):
             metrics[f"mtp_{k + 1}_loss"] = mtp_sums[k] / torch.clamp(mtp_counts[k], min=1.0)
         if lr_schedule is not None:
@@ -251,6 +245,21 @@ def make_train_step(
     check = (lambda state: check_no_shared_storage((state.params, state.opt_state))) if donate_state else None
     return _callable_step(train_step, compile, backend, before=check, precompile=precompile,
                           bucket_size_mb=bucket_size_mb)
+
+
+def skip_on_overflow(state: TrainState, params: PyTree, opt_state: PyTree, found_inf: Optional[torch.Tensor],
+                     loss_scale: Optional[LossScaleConfig], metrics: Metrics):
+    """The update's outcome under loss scaling: with ``found_inf`` (non-finite gradients) the old
+    params and optimizer state, the scaler's next state, and ``loss_scale``/``skipped`` added to
+    ``metrics``; returns ``(params, opt_state, loss_scale_state, optimizer_steps)``, the last the
+    steps that updated (the lr schedule's position). Without loss scaling everything passes."""
+    if found_inf is None:
+        return params, opt_state, state.loss_scale, state.step
+    params = select_tree(found_inf, state.params, params)
+    opt_state = select_tree(found_inf, state.opt_state, opt_state)
+    metrics |= {"loss_scale": state.loss_scale.scale, "skipped": found_inf.to(torch.float32)}
+    return (params, opt_state, update_loss_scale(state.loss_scale, found_inf, loss_scale),
+            state.step - state.loss_scale.skipped_steps)
 
 
 def _is_donated(leaf) -> bool:

@@ -1,0 +1,236 @@
+"""The train step of a pipeline-parallel rank: torch's pipeline schedules over thin stage modules
+that call lmfunc's pure functions, then the same update as ``make_train_step``, with the global
+gradient norm and the overflow flag reduced over the pipeline.
+
+``make_pipeline_train_step(...)(state, batch) -> (state, metrics)`` keeps the functional
+signature: ``state.params`` is this rank's part of the parameter tree (the union of its stages'
+``stage_params``, model-wide names), and every rank gets the whole batch ``[M, B, S]``.
+
+- **Data.** The first stage takes the tokens; every stage takes ``position_ids`` and ``doc_ids``
+  (RoPE and the document mask are computed on each stage) and its microbatch's dropout seed; the
+  last stage takes the labels, the loss mask and, with MTP, the tokens. torch's schedules split
+  keyword arguments into microbatches and give them to every stage, so every rank loads the whole
+  batch: a few integer tensors (Megatron's middle stages load nothing).
+- **Loss.** The last stage computes ``lm_loss_of_hidden`` and returns its microbatch's share of
+  the step's objective, already divided by the step's token count and multiplied by the loss
+  scale, so the schedule must not rescale: ``scale_grads=False``.
+- **Gradients.** The schedule's backward leaves each stage's gradients in its module's
+  parameters, summed over the microbatches. The token embedding held by the first and the last
+  stage (tied, or read by MTP: ``shared_leaves``) has its two gradients summed over the embedding
+  group, as Megatron does. The global norm (each leaf counted once) and the overflow flag are
+  reduced over the pipeline group, so every rank clips by the same factor and skips the same steps.
+- **What runs eagerly.** The schedule drives each stage's forward and backward microbatch by
+  microbatch, so a step is not one graph here: the stages run eagerly and the update is an
+  ordinary function of this rank's state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+
+from lmfunc.config.model import ModelConfig
+from lmfunc.config.pipeline import SCHEDULES, PipelineSplit, check_schedule_model
+from lmfunc.loss import lm_loss_of_hidden
+from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm
+from lmfunc.optim.transforms import Schedule
+from lmfunc.precision import LossScaleConfig, all_finite, cast_params
+from lmfunc.train.pipeline_stages import shared_leaves, stage_forward, stage_params
+from lmfunc.train.state import TrainState
+from lmfunc.train.step import Batch, Metrics, _microbatch_seed, check_batch, skip_on_overflow
+from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
+
+
+def rank_params(params: PyTree, cfg: ModelConfig, split: PipelineSplit, rank: int) -> PyTree:
+    """The part of the full (unstacked) parameter tree that pipeline rank ``rank`` holds: the union
+    of its stages' ``stage_params``."""
+    merged: dict = {}
+    for stage in split.stages_of_rank(rank):
+        for key, value in stage_params(params, cfg, split, stage).items():
+            merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+    return merged
+
+
+class _StageModule(nn.Module):
+    """One stage for torch's ``PipelineStage``: its leaves as parameters (rebound to the state's
+    tensors each step) and ``stage_forward``; on the last stage also the loss, whose per-microbatch
+    ``LossOutput`` it records for the step's metrics."""
+
+    def __init__(self, template: PyTree, cfg: ModelConfig, split: PipelineSplit, stage: int,
+                 compute_dtype: torch.dtype, objective: Callable) -> None:
+        super().__init__()
+        self.template, self.cfg, self.split, self.stage = template, cfg, split, stage
+        self.paths = [path for path, _ in flatten_with_paths(template)]
+        self.weights = nn.ParameterList(nn.Parameter(leaf.detach(), requires_grad=leaf.is_floating_point())
+                                        for _, leaf in flatten_with_paths(template))
+        self.compute_dtype, self.objective, self.outputs = compute_dtype, objective, []
+
+    def bind(self, params: PyTree) -> None:
+        """Use ``params`` (this stage's subtree) for the next step. The parameter objects stay (torch's
+        schedules hold them: zero bubble computes weight gradients from ``parameters()``); their data
+        becomes the state's tensors (no copy) and their gradients are cleared."""
+        for weight, (_, leaf) in zip(self.weights, flatten_with_paths(params)):
+            weight.data, weight.grad = leaf.detach(), None
+        self.outputs = []
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.weights]
+
+    def forward(self, x, position_ids, seed, doc_ids=None, labels=None, loss_mask=None, tokens=None):
+        params = cast_params(tree_unflatten_as(self.template, list(self.weights)), self.compute_dtype)
+        dropout_seed = seed[0] if seed.numel() else None
+        hidden = stage_forward(params, x, self.cfg, self.split, self.stage, position_ids, doc_ids, dropout_seed)
+        if not self.split.holds_head(self.stage):
+            return hidden
+        micro = {"tokens": tokens, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
+        if loss_mask is not None:
+            micro["loss_mask"] = loss_mask
+        value, out = self.objective(params, hidden, {k: v for k, v in micro.items() if v is not None}, dropout_seed)
+        self.outputs.append(out)
+        return value
+
+
+def make_pipeline_train_step(
+    cfg: ModelConfig,
+    tx: GradientTransformation,
+    split: PipelineSplit,
+    schedule: str,
+    num_microbatches: int,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    clip_grad: float = 1.0,
+    lr_schedule: Optional[Schedule] = None,
+    compute_dtype: torch.dtype = torch.float32,
+    loss_scale: Optional[LossScaleConfig] = None,
+    device: torch.device = torch.device("cpu"),
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """Build this pipeline rank's ``step(state, batch) -> (state, metrics)`` (module docstring) for
+    ``schedule`` (``lmfunc.config.pipeline.SCHEDULES``) over ``group`` (default: the world), with
+    ``num_microbatches`` per step; the other arguments as ``make_train_step`` (the loss per token
+    over the whole step, as ``calculate_per_token_loss``)."""
+    if cfg.scan_layers:
+        raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
+    check_schedule_model(schedule, cfg.tie_embeddings)
+    group = group if group is not None else dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world != split.pp:
+        raise ValueError(f"the pipeline group has {world} ranks but the split has parallel.pp = {split.pp}")
+    holder: dict = {}
+    dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+
+    def objective(params, hidden, micro, dropout_seed):
+        out = lm_loss_of_hidden(params, hidden, micro, cfg, dropout_seed, holder["grad_scale"], True)
+        return (out.loss_sum * holder["grad_scale"]).reshape(1), out
+
+    my_stages = split.stages_of_rank(rank)
+    first_rank, last_rank = split.rank_of_stage(0), split.rank_of_stage(split.num_stages - 1)
+    shared = set(shared_leaves(cfg, split))
+    embedding_group = (dist.new_group([dist.get_global_rank(group, r) for r in sorted({first_rank, last_rank})])
+                       if shared and first_rank != last_rank else None)
+    modules: dict[int, _StageModule] = {}
+    schedule_cls = getattr(pipelining, SCHEDULES[schedule][0])
+    runtime: dict = {}
+
+    def build(params: PyTree) -> None:
+        for stage in my_stages:
+            modules[stage] = _StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
+                                          objective)
+        stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group) for s in my_stages]
+        loss_fn = lambda output, target: output.sum()  # noqa: E731 -- the last stage returns the objective
+        runtime["schedule"] = schedule_cls(stages[0] if SCHEDULES[schedule][1] == 1 else stages,
+                                           num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        check_batch(batch)
+        num_micro, micro_batch, seq = batch["tokens"].shape
+        if num_micro != num_microbatches:
+            raise ValueError(f"the batch has {num_micro} microbatches but the pipeline step was built for "
+                             f"{num_microbatches}")
+        if "loss_mask" in batch:
+            num_tokens = batch["loss_mask"].to(torch.float32).sum()
+        else:
+            num_tokens = torch.tensor(float(batch["tokens"].numel()), device=device)
+        normaliser = 1.0 / torch.clamp(num_tokens, min=1.0)
+        scale = state.loss_scale.scale if loss_scale is not None else None
+        holder["grad_scale"] = normaliser * scale if scale is not None else normaliser
+        if not modules:
+            build(state.params)
+        for stage, module in modules.items():
+            module.bind(stage_params(state.params, cfg, split, stage))
+        flat = {k: v.reshape(num_micro * micro_batch, *v.shape[2:]) for k, v in batch.items()}
+        positions = flat.get("position_ids", torch.arange(seq, device=device).expand(num_micro * micro_batch, seq))
+        seeds = (torch.stack([_microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
+                 if dropout else torch.zeros(num_micro, 0, dtype=torch.int64, device=device))
+        kwargs = {"position_ids": positions, "seed": seeds}
+        if "doc_ids" in flat:
+            kwargs["doc_ids"] = flat["doc_ids"]
+        if last_rank == rank:
+            kwargs |= {"labels": flat["labels"], "tokens": flat["tokens"]}
+            if "loss_mask" in flat:
+                kwargs["loss_mask"] = flat["loss_mask"]
+        args = (flat["tokens"],) if first_rank == rank else ()
+        target = flat["labels"] if last_rank == rank else None
+        runtime["schedule"].step(*args, target=target, **kwargs)
+        grads = _gather_grads(state.params, modules)
+        if embedding_group is not None and rank in (first_rank, last_rank):
+            dist.all_reduce(grads["embed"]["tokens"], group=embedding_group)
+        return _update(state, grads, tx, clip_grad, loss_scale, scale, group, lr_schedule, modules, cfg,
+                       normaliser, num_tokens, counted=lambda path: path not in shared or rank == first_rank,
+                       consumed=num_micro * micro_batch, consumed_micro=num_micro)
+
+    return step
+
+
+def _gather_grads(params: PyTree, modules: dict) -> PyTree:
+    """This rank's gradients in the shape of its ``state.params``: each stage's module gradients,
+    summed where two of its stages hold the same leaf."""
+    sums: dict[str, torch.Tensor] = {}
+    for module in modules.values():
+        for path, grad in zip(module.paths, module.grads()):
+            sums[path] = sums[path] + grad if path in sums else grad
+    return tree_unflatten_as(params, [sums[path] for path, _ in flatten_with_paths(params)])
+
+
+def _update(state, grads, tx, clip_grad, loss_scale, scale, group, lr_schedule, modules, cfg, normaliser, num_tokens,
+            counted, consumed, consumed_micro):
+    """``make_train_step``'s update of this rank's state, with the norm and overflow flag reduced
+    over the pipeline and the loss metrics sent from the last stage to every rank."""
+    paths = [path for path, _ in flatten_with_paths(grads)]
+    leaves = [leaf for _, leaf in flatten_with_paths(grads)]
+    found_inf = None
+    if scale is not None:
+        leaves = torch._foreach_div(leaves, scale)
+        overflow = (~all_finite(leaves)).to(torch.float32)
+        dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
+        found_inf = overflow > 0
+    squares = [leaf.float().pow(2).sum() for path, leaf in zip(paths, leaves) if counted(path)]
+    device = leaves[0].device
+    norm_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    dist.all_reduce(norm_sq, group=group)
+    grad_norm = norm_sq.sqrt()
+    grads = tree_unflatten_as(state.params, leaves)
+    if clip_grad > 0:
+        grads, _ = clip_by_global_norm_with_norm(grads, clip_grad, norm=grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = apply_updates(state.params, updates)
+    # the last M calls: on its first step a PipelineStage also runs the forward once to infer shapes
+    outputs = [out for module in modules.values() for out in module.outputs[len(module.outputs) - consumed_micro:]]
+    depths = cfg.mtp_num_layers
+    sums = torch.zeros(1 + 2 * depths, device=device)
+    for out in outputs:
+        sums = sums + torch.cat([out.loss_sum.detach().reshape(1), out.mtp_loss_sums.detach(), out.mtp_num_tokens])
+    dist.all_reduce(sums, group=group)
+    metrics = {"loss": sums[0] * normaliser, "grad_norm": grad_norm, "num_tokens": num_tokens}
+    for k in range(depths):
+        metrics[f"mtp_{k + 1}_loss"] = sums[1 + k] / torch.clamp(sums[1 + depths + k], min=1.0)
+    params, opt_state, new_loss_scale, optimizer_steps = skip_on_overflow(state, params, opt_state, found_inf,
+                                                                          loss_scale, metrics)
+    if lr_schedule is not None:
+        metrics["lr"] = lr_schedule(optimizer_steps)
+    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
+                              consumed_samples=state.consumed_samples + consumed, loss_scale=new_loss_scale)
+    return new_state, metrics

@@ -1,0 +1,75 @@
+"""Worker for tests/test_pipeline_step.py (launched by torchrun, gloo): every rank trains the same
+tiny model two ways, the one-process eager ``make_train_step`` and its pipeline rank's
+``make_pipeline_train_step``, and checks that the losses agree at every step and that its final
+params and Adam moments agree with the one-process ones under the same names.
+
+``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16``: VIRTUAL 0 for none; MTP, TIE and FP16 0/1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lmfunc import model
+from lmfunc.config import model_preset
+from lmfunc.config.pipeline import check_microbatches, pipeline_split
+from lmfunc.optim import adamw
+from lmfunc.precision import LossScaleConfig
+from lmfunc.train import TrainState, make_train_step
+from lmfunc.train.pipeline_step import make_pipeline_train_step, rank_params
+from lmfunc.tree import flatten_with_paths
+from tests.helpers import lm_batch
+
+STEPS, MICROBATCHES = 5, 4
+FP32_TOLERANCE = {"metrics": 1e-5, "leaves": 1e-5}
+FP16_TOLERANCE = {"metrics": 2e-4, "leaves": 5e-3}
+"""fp16 differs at the level of 16-bit rounding even on one stage, where nothing is split: gradient
+norms 1e-5 to 4e-5 apart, Adam moments of norm scales up to 1.4e-3 (rel L2, measured). The
+schedule's ``autograd.backward`` into parameters and the one-process step's ``autograd.grad``
+evidently order some 16-bit reductions differently; the cause is not pinned down."""
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def main() -> None:
+    schedule, virtual, mtp, tie, fp16 = sys.argv[1], int(sys.argv[2]) or None, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    dist.init_process_group("gloo")
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    split = pipeline_split(8, pp=pp, schedule=schedule, virtual_stages=virtual)
+    check_microbatches(schedule, split, MICROBATCHES)
+    cfg = dataclasses.replace(model_preset("tiny", num_layers=8), tie_embeddings=bool(tie), mtp_num_layers=mtp,
+                              hidden_dropout=0.1)
+    params = model.init(cfg, seed=0)
+    tx = adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    scaling = LossScaleConfig(initial_scale=2.0**15) if fp16 else None
+    dtype = torch.float16 if fp16 else torch.float32
+    reference = make_train_step(cfg, tx, compile=False, compute_dtype=dtype, loss_scale=scaling)
+    piped = make_pipeline_train_step(cfg, tx, split, schedule, MICROBATCHES, compute_dtype=dtype, loss_scale=scaling)
+    whole = TrainState.create(params, tx, loss_scale=scaling)
+    mine = TrainState.create(rank_params(params, cfg, split, rank), tx, loss_scale=scaling)
+    tolerance, worst = (FP16_TOLERANCE if fp16 else FP32_TOLERANCE), 0.0
+    for step in range(STEPS):
+        batch = lm_batch(cfg.vocab_size, MICROBATCHES, 2, 16, seed=step)
+        whole, expected = reference(whole, batch)
+        mine, got = piped(mine, batch)
+        for key, value in expected.items():
+            worst = max(worst, abs(float(got[key]) - float(value)) / max(abs(float(value)), 1e-12))
+    assert worst < tolerance["metrics"], f"rank {rank}: metrics differ by rel {worst:.2e}"
+    reference_leaves = dict(flatten_with_paths((whole.params, whole.opt_state)))
+    mine_leaves = flatten_with_paths((mine.params, mine.opt_state))
+    errors = {path: rel_l2(leaf, reference_leaves[path]) for path, leaf in mine_leaves
+              if leaf.is_floating_point() and leaf.dim() > 0}
+    path, error = max(errors.items(), key=lambda item: item[1])
+    assert error < tolerance["leaves"], f"rank {rank}: {path} differs by rel L2 {error:.2e}"
+    print(f"rank {rank} ok: {len(errors)} leaves, worst metric rel {worst:.1e}, worst leaf {path} {error:.1e}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
