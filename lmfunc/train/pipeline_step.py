@@ -41,7 +41,7 @@ from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params
 from lmfunc.train.pipeline_stages import shared_leaves, stage_forward, stage_params
 from lmfunc.train.state import TrainState
-from lmfunc.train.step import Batch, Metrics, _microbatch_seed, check_batch, skip_on_overflow
+from lmfunc.train.step import Batch, Metrics, microbatch_seed, check_batch, skip_on_overflow
 from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
 
 
@@ -163,7 +163,7 @@ def make_pipeline_train_step(
             module.bind(stage_params(state.params, cfg, split, stage))
         flat = {k: v.reshape(num_micro * micro_batch, *v.shape[2:]) for k, v in batch.items()}
         positions = flat.get("position_ids", torch.arange(seq, device=device).expand(num_micro * micro_batch, seq))
-        seeds = (torch.stack([_microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
+        seeds = (torch.stack([microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
                  if dropout else torch.zeros(num_micro, 0, dtype=torch.int64, device=device))
         kwargs = {"position_ids": positions, "seed": seeds}
         if "doc_ids" in flat:

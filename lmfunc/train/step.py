@@ -51,7 +51,9 @@ def check_batch(batch: Batch) -> None:
             raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)} but batch['tokens'] has {shape}")
 
 
-def _microbatch_seed(state: TrainState, index: int) -> torch.Tensor:
+def microbatch_seed(state: TrainState, index: int) -> torch.Tensor:
+    """The dropout seed of microbatch ``index`` of this step: a pure function of the run's seed,
+    the step and the index, so every layout (and a pipeline stage) draws the same masks."""
     return state.rng * 1_000_003 + state.step * 4096 + index
 
 
@@ -202,7 +204,7 @@ def make_train_step(
         grad_leaves = None
         for i in range(num_micro):
             micro = {k: v[i] for k, v in batch.items()}
-            seed = _microbatch_seed(state, i) if dropout else None
+            seed = microbatch_seed(state, i) if dropout else None
             (_, out), grads = grad_fn(state.params, micro, grad_scale, seed)
             leaves = tree_leaves(grads)
             grad_leaves = leaves if grad_leaves is None else torch._foreach_add(grad_leaves, leaves)
