@@ -81,11 +81,16 @@ def patch_grad(path: Path) -> None:
 
 
 def make_copy(dest: Path) -> None:
-    """Copy the repository's code to ``dest`` (replacing it) and apply the torch 2.11 edits."""
+    """Copy the repository's code to ``dest`` and apply the torch 2.11 edits. ``dest`` must be new,
+    empty, or an earlier copy of this script's (which it replaces)."""
     if dest.resolve() == ROOT or ROOT in dest.resolve().parents:
         sys.exit(f"torch211: {dest} lies inside the checkout; give a scratch directory outside it")
+    marker = dest / ".torch211-copy"
+    if dest.exists() and any(dest.iterdir()) and not marker.exists():
+        sys.exit(f"torch211: {dest} exists and was not made by this script; give an empty or new directory")
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
+    marker.write_text("made by experiments/gpu/torch211.py; replaced on the next run\n")
     for name in COPIED:
         source = ROOT / name
         if source.is_dir():

@@ -36,7 +36,7 @@ from torch.distributed import pipelining
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import SCHEDULES, PipelineSplit, check_schedule_model
 from lmfunc.loss import lm_loss_of_hidden
-from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm
+from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params
 from lmfunc.train.pipeline_stages import shared_leaves, stage_forward, stage_params
@@ -207,9 +207,9 @@ def _update(state, grads, tx, clip_grad, loss_scale, scale, group, lr_schedule, 
         overflow = (~all_finite(leaves)).to(torch.float32)
         dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
         found_inf = overflow > 0
-    squares = [leaf.float().pow(2).sum() for path, leaf in zip(paths, leaves) if counted(path)]
     device = leaves[0].device
-    norm_sq = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    mine = [leaf for path, leaf in zip(paths, leaves) if counted(path)]
+    norm_sq = global_norm(mine) ** 2 if mine else torch.zeros((), device=device)
     dist.all_reduce(norm_sq, group=group)
     grad_norm = norm_sq.sqrt()
     grads = tree_unflatten_as(state.params, leaves)
