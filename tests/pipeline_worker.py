@@ -1,7 +1,9 @@
 """Worker for tests/test_pipeline_step.py (launched by torchrun, gloo): every rank trains the same
 tiny model two ways, the one-process eager ``make_train_step`` and its pipeline rank's
-``make_pipeline_train_step``, and checks that the losses agree at every step and that its final
-params and Adam moments agree with the one-process ones under the same names.
+``make_pipeline_train_step``, and checks that the losses agree at every step, that its final
+params and Adam moments agree with the one-process ones under the same names, and that the
+pipeline's forward-only evaluation (``make_pipeline_eval_step``) gives the one-process
+``make_eval_step``'s loss before the first step and after the last.
 
 ``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16``: VIRTUAL 0 for none; MTP, TIE and FP16 0/1.
 """
@@ -19,16 +21,18 @@ from lmfunc.config import model_preset
 from lmfunc.config.pipeline import check_microbatches, pipeline_split
 from lmfunc.optim import adamw
 from lmfunc.precision import LossScaleConfig
-from lmfunc.train import TrainState, make_train_step
-from lmfunc.train.pipeline_step import make_pipeline_train_step, rank_params
-from lmfunc.tree import flatten_with_paths
+from lmfunc.train import TrainState, make_eval_step, make_train_step
+from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step, rank_params
+from lmfunc.tree import flatten_with_paths, tree_unflatten_as
 from tests.helpers import lm_batch
 
 STEPS, MICROBATCHES = 5, 4
 FP32_TOLERANCE = {"metrics": 1e-5, "leaves": 1e-5}
-FP16_TOLERANCE = {"metrics": 2e-4, "leaves": 5e-3}
-"""fp16 differs at the level of 16-bit rounding even on one stage, where nothing is split: gradient
-norms 1e-5 to 4e-5 apart, Adam moments of norm scales up to 1.4e-3 (rel L2, measured). The
+FP16_TOLERANCE = {"metrics": 5e-4, "leaves": 5e-3}
+"""fp16 differs at the level of 16-bit rounding even on one stage, where nothing is split, and the
+difference grows step by step: gradient norms 1e-5 to 2.3e-4 apart by the fifth step (the larger on
+an Intel Xeon without AVX-512, tied or untied, with or without MTP), Adam moments of norm scales up
+to 1.4e-3 (rel L2, measured). The evaluation losses agree exactly at the same params. The
 schedule's ``autograd.backward`` into parameters and the one-process step's ``autograd.grad``
 evidently order some 16-bit reductions differently; the cause is not pinned down."""
 
@@ -54,13 +58,29 @@ def main() -> None:
     whole = TrainState.create(params, tx, loss_scale=scaling)
     mine = TrainState.create(rank_params(params, cfg, split, rank), tx, loss_scale=scaling)
     tolerance, worst = (FP16_TOLERANCE if fp16 else FP32_TOLERANCE), 0.0
+    evaluate = make_eval_step(cfg, compute_dtype=dtype, compile=False)
+    piped_eval = make_pipeline_eval_step(cfg, split, schedule, MICROBATCHES, compute_dtype=dtype)
+    held_out = lm_batch(cfg.vocab_size, MICROBATCHES, 2, 16, seed=100)
+
+    def eval_error() -> float:
+        """The pipeline's eval loss against the one-process eval at the pipeline's own params."""
+        parts = [None] * pp
+        dist.all_gather_object(parts, dict(flatten_with_paths(mine.params)))
+        gathered = {path: leaf for part in parts for path, leaf in part.items()}
+        full = tree_unflatten_as(whole.params, [gathered[path] for path, _ in flatten_with_paths(whole.params)])
+        expected, got = evaluate(full, held_out), piped_eval(mine.params, held_out)
+        assert float(got["num_tokens"]) == float(expected["num_tokens"]), (got, expected)
+        return abs(float(got["loss_sum"]) - float(expected["loss_sum"])) / abs(float(expected["loss_sum"]))
+
+    worst = eval_error()
     for step in range(STEPS):
         batch = lm_batch(cfg.vocab_size, MICROBATCHES, 2, 16, seed=step)
         whole, expected = reference(whole, batch)
         mine, got = piped(mine, batch)
         for key, value in expected.items():
             worst = max(worst, abs(float(got[key]) - float(value)) / max(abs(float(value)), 1e-12))
-    assert worst < tolerance["metrics"], f"rank {rank}: metrics differ by rel {worst:.2e}"
+    worst = max(worst, eval_error())
+    assert worst < tolerance["metrics"], f"rank {rank}: metrics or eval losses differ by rel {worst:.2e}"
     reference_leaves = dict(flatten_with_paths((whole.params, whole.opt_state)))
     mine_leaves = flatten_with_paths((mine.params, mine.opt_state))
     errors = {path: rel_l2(leaf, reference_leaves[path]) for path, leaf in mine_leaves

@@ -83,8 +83,22 @@ def test_train_config_validation_applies_the_pipeline_rules():
         cfg(ParallelConfig(pp=4, pp_schedule="interleaved-1f1b", virtual_stages=2), 16).validate(4, planning=True)
     with pytest.raises(ConfigError, match="set --parallel.pp to 2 or more"):
         cfg(ParallelConfig(pp_first_stage_layers=1), 8).validate(1, planning=True)
-    with pytest.raises(ConfigError, match=r"parallel.pp = 2: not implemented"):
-        cfg(ParallelConfig(pp=2), 8).validate(2)
+    assert cfg(ParallelConfig(pp=2), 8).validate(2).parallel.pp == 2
+    with pytest.raises(ConfigError, match=r"parallel.pp = 2 with dp_shard = 2 \(the trainer runs pp alone\): not "
+                                          "implemented"):
+        cfg(ParallelConfig(pp=2, dp_shard=2), 8).validate(4)
+    ramp = TrainConfig(model=model_preset("tiny", num_layers=4), data=DataConfig(seq_length=16),
+                       parallel=ParallelConfig(pp=2),
+                       run=RunConfig(micro_batch_size=2, global_batch_size=8, train_iters=None, train_samples=100,
+                                     rampup_batch_size=(4, 4, 40)))
+    with pytest.raises(ConfigError, match=r"run.rampup_batch_size \(\(4, 4, 40\)\) with parallel.pp = 2: .* batch "
+                                          "shapes are fixed per run"):
+        ramp.validate(2)
+    per_microbatch = cfg(ParallelConfig(pp=2), 8)
+    per_microbatch = per_microbatch.replace(run=RunConfig(micro_batch_size=2, global_batch_size=8,
+                                                          calculate_per_token_loss=False))
+    with pytest.raises(ConfigError, match=r"run.calculate_per_token_loss off with parallel.pp = 2"):
+        per_microbatch.validate(2)
 
 
 def test_split_backward_schedules_refuse_tied_embeddings():

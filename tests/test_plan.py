@@ -61,19 +61,26 @@ def test_tensor_parallel_shard_and_the_distributed_optimizer():
     assert meg.weight_and_optimizer_distributed == 62_080 * (6 + 12 / 2)
 
 
-def test_pipeline_parallel_is_planned_not_trained():
+def test_pipeline_parallel_is_planned_with_megatrons_formulas():
     """pp 2, 4 microbatches: half the layers plus the embedding on the first stage; the activations
-    lose the output-layer term; marked not trainable."""
+    lose the output-layer term; trainable alone, without lmfunc's own prediction; with dp_shard
+    marked not trainable."""
     cfg = WORKED.replace(parallel=ParallelConfig(pp=2), run=RunConfig(micro_batch_size=2, global_batch_size=8))
     plan = plan_of(cfg, 2)
     meg = plan.megatron
     assert meg.counts.most_loaded_shard == 2 * 49_152 / 2 + 24_576 + (2 * 256 + 128) / 2
     assert meg.counts.other_shards == 2 * 49_152 / 2 + (2 * 256 + 128) / 2
     assert meg.activations == pytest.approx(1.05 * (557_056 * 2 + 8 * 128 * 2 * 2 + 128 * 2 * 64 * 2))
-    assert plan.lmfunc is None and plan.untrainable == ["parallel.pp = 2"]
-    assert "not trainable yet (parallel.pp = 2)" in format_plan(plan)
-    with pytest.raises(ConfigError, match=r"parallel\.pp = 2: not implemented .*lmfunc\.plan"):
-        cfg.validate(2)
+    assert plan.lmfunc is None and plan.untrainable == [] and plan.unpredicted == ["parallel.pp = 2"]
+    assert "lmfunc: trainable; its own memory prediction does not model this layout yet (parallel.pp = 2)" in \
+        format_plan(plan)
+    assert cfg.validate(2).parallel.pp == 2
+    with_fsdp = cfg.replace(parallel=ParallelConfig(pp=2, dp_shard=2))
+    plan = plan_of(with_fsdp, 4)
+    assert plan.untrainable == ["parallel.pp = 2 with dp_shard = 2 (the trainer runs pp alone)"]
+    assert "not trainable yet (parallel.pp = 2 with dp_shard = 2" in format_plan(plan)
+    with pytest.raises(ConfigError, match=r"parallel\.pp = 2 with dp_shard = 2 .*: not implemented .*lmfunc\.plan"):
+        with_fsdp.validate(4)
 
 
 def test_moe_counts_and_flops():

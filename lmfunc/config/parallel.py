@@ -66,14 +66,16 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel size (attention heads, MLP width and vocabulary split; see model.sequence_parallel)."""
     pp: int = 1
-    """Pipeline-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
+    """Pipeline-parallel size: stages of consecutive layers on successive ranks, run by torch's
+    pipeline schedules (``lmfunc.train.pipeline_step``). The trainer runs pp alone (every other
+    size 1); ``python -m lmfunc.plan`` plans it with any layout."""
     cp: int = 1
     """Context-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
     ep: int = 1
     """Expert-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
     virtual_stages: Optional[int] = None
-    """Virtual pipeline stages per rank (interleaved schedules); planned by ``python -m lmfunc.plan``,
-    not trainable yet."""
+    """Virtual pipeline stages per rank (interleaved-1f1b and zero-bubble; unset: 1, or the V
+    schedules' 2)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule (pp > 1): gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv or dualpipev
     (``lmfunc.config.pipeline``: each one's stage placement and microbatch rule)."""

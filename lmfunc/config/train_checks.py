@@ -135,6 +135,12 @@ def _validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
                            p.pp_last_stage_layers)
     check_schedule_model(p.pp_schedule, cfg.model.tie_embeddings)
     run = cfg.run
+    _require(run.rampup_batch_size is None,
+             f"run.rampup_batch_size ({run.rampup_batch_size}) with parallel.pp = {p.pp}: a pipeline schedule is "
+             "built for one number of microbatches, so batch shapes are fixed per run; drop the ramp-up or use pp = 1")
+    _require(run.calculate_per_token_loss,
+             f"run.calculate_per_token_loss off with parallel.pp = {p.pp}: the pipeline divides the step's summed "
+             "token losses by its token count (the per-token loss); turn it back on or use pp = 1")
     if run.global_batch_size is not None and run.micro_batch_size:
         per_rank = run.micro_batch_size * p.data_parallel_size(world_size)
         if run.global_batch_size % per_rank == 0:
@@ -145,9 +151,10 @@ def untrainable_features(cfg: TrainConfig) -> list[str]:
     """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet, each named
     with its value (empty when the run is trainable)."""
     p, m = cfg.parallel, cfg.model
-    found = [f"parallel.{name} = {getattr(p, name)}" for name in ("pp", "cp", "ep") if getattr(p, name) != 1]
-    if p.virtual_stages is not None:
-        found.append(f"parallel.virtual_stages = {p.virtual_stages}")
+    found = [f"parallel.{name} = {getattr(p, name)}" for name in ("cp", "ep") if getattr(p, name) != 1]
+    others = [f"{name} = {getattr(p, name)}" for name in ("dp_replicate", "dp_shard", "tp") if getattr(p, name) != 1]
+    if p.pp != 1 and others:
+        found.append(f"parallel.pp = {p.pp} with {', '.join(others)} (the trainer runs pp alone)")
     if m.num_experts is not None:
         found.append(f"model.num_experts = {m.num_experts} (MoE)")
     if m.multi_latent_attention:

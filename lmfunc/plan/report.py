@@ -21,8 +21,10 @@ class Plan:
     sizes: dict[str, int]
     megatron: MegatronReport
     lmfunc: Optional[MemoryPlan]
-    """None when the run is not trainable yet (``untrainable``)."""
+    """None when the run is not trainable yet (``untrainable``) or lmfunc's prediction does not model
+    its layout (``unpredicted``)."""
     untrainable: list[str]
+    unpredicted: list[str] = ()
 
     @property
     def flops_per_token(self) -> float:
@@ -35,8 +37,10 @@ def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
     """The plan of ``cfg`` (validated, ``run.global_batch_size`` resolved) on ``world_size`` processes."""
     sizes = cfg.parallel.sizes(world_size)
     untrainable = untrainable_features(cfg)
+    unpredicted = [f"parallel.pp = {sizes['pp']}"] if sizes["pp"] > 1 and not untrainable else []
     return Plan(world_size=world_size, sizes=sizes, megatron=megatron_report(MegatronArgs.from_config(cfg, world_size)),
-                lmfunc=None if untrainable else predict_memory(cfg, sizes), untrainable=untrainable)
+                lmfunc=None if untrainable or unpredicted else predict_memory(cfg, sizes), untrainable=untrainable,
+                unpredicted=unpredicted)
 
 
 def _bytes(value: float) -> str:
@@ -68,6 +72,10 @@ def format_plan(plan: Plan) -> str:
         f"  {meg.footprint_line()}",
         f"  FLOPs per iteration: {meg.flops_per_iteration:,.0f} ({plan.flops_per_token:,.0f} per token)",
     ]
+    if plan.lmfunc is None and plan.unpredicted:
+        lines.append(f"lmfunc: trainable; its own memory prediction does not model this layout yet "
+                     f"({'; '.join(plan.unpredicted)}): see Megatron's numbers above")
+        return "\n".join(lines)
     if plan.lmfunc is None:
         lines.append(f"lmfunc: not trainable yet ({'; '.join(plan.untrainable)}); planned with Megatron's formulas above")
         return "\n".join(lines)

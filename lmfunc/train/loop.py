@@ -39,6 +39,8 @@ from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
 from lmfunc.train.params import initial_params
+from lmfunc.train.pipeline_run import gather_pipeline_params, init_rank_params, pipeline_rank
+from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.train.profiling import StepProfiler
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
@@ -128,6 +130,7 @@ class _Run:
         self.loader: Optional[PrefetchLoader] = None
         self.stop: Optional[StopRequests] = None
         self.profiler: Optional[StepProfiler] = None
+        self.pipe = None
 
     # Phase 1: setup.
     def setup(self) -> None:
@@ -201,13 +204,18 @@ class _Run:
         schedule = build_lr_schedule(cfg, plan, iters, device=device)
         decoupled = (build_lr_schedule(cfg, plan, iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr, device)
                      if cfg.optim.decoupled_lr is not None else None)
-        params = initial_params(cfg, self.layout, resuming=self.paths.load_step is not None)
+        self.pipe = pipe = pipeline_rank(cfg, self.layout)
+        if pipe is not None:
+            params = init_rank_params(cfg.model, pipe, cfg.run.seed, device)
+        else:
+            params = initial_params(cfg, self.layout, resuming=self.paths.load_step is not None)
         tx = build_optimizer(cfg, schedule, params, decoupled)
         loss_scale = cfg.precision.loss_scaling()
         dtype = compute_dtype(cfg.precision.compute_dtype)
         self.checkpoints = RunCheckpoints(cfg, self.paths.save_dir, self.logger)
         restored = restore_state(cfg, TrainState.create(params, tx, seed=run.seed, loss_scale=loss_scale),
-                                 self.paths.load_dir, self.paths.load_step, warn=self.logger.echo)
+                                 self.paths.load_dir, self.paths.load_step, warn=self.logger.echo,
+                                 part=pipe is not None)
         self.state = restored.state
         self.start_step, self.consumed = int(self.state.step), int(self.state.consumed_samples)
         self.skipped_before = int(self.state.loss_scale.skipped_steps) if self.state.loss_scale is not None else 0
@@ -217,6 +225,9 @@ class _Run:
             self.logger.echo(f"loaded checkpoint {restored.source}: {what}")
             self.logger.record("resume", self.start_step, checkpoint=restored.source, consumed_samples=self.consumed,
                                finetune=restored.finetune)
+        if pipe is not None:
+            self._set_up_pipeline_steps(tx, schedule, loss_scale, dtype)
+            return
         precompile = run.precompile and self.layout.mesh is None
         buckets = cfg.parallel.bucket_size_mb if cfg.parallel.bucket_collectives else None
         self.train_step = make_train_step(
@@ -226,6 +237,23 @@ class _Run:
         )
         self.eval_step = make_eval_step(cfg.model, compute_dtype=dtype, compile=run.compile, precompile=precompile,
                                         bucket_size_mb=buckets)
+
+    def _set_up_pipeline_steps(self, tx, schedule, loss_scale, dtype) -> None:
+        """The pipeline rank's train and eval steps (``lmfunc.train.pipeline_step``): torch's schedule
+        over this rank's stages, every rank loading the whole batch."""
+        cfg, pipe, device = self.cfg, self.pipe, self.layout.device
+        microbatches = self.plan.num_microbatches_at(0)
+        self.train_step = make_pipeline_train_step(
+            cfg.model, tx, pipe.split, pipe.schedule, microbatches, pipe.group, clip_grad=cfg.optim.clip_grad,
+            lr_schedule=schedule, compute_dtype=dtype, loss_scale=loss_scale, device=device)
+        self.eval_step = make_pipeline_eval_step(cfg.model, pipe.split, pipe.schedule, microbatches, pipe.group,
+                                                 compute_dtype=dtype, device=device)
+        self.logger.echo(f"pipeline: {pipe.schedule} over pp {pipe.split.pp} ({pipe.split.num_stages} stages, "
+                         f"{microbatches} microbatches per step); rank 0 runs "
+                         + ", ".join(f"stage {s}: layers {list(pipe.split.layers[s])}"
+                                     for s in pipe.split.stages_of_rank(0))
+                         + "; the stages run eagerly (torch's schedule drives them microbatch by microbatch)"
+                         + (", run.compile does not apply" if cfg.run.compile else ""))
 
     def _train_batch(self, start: int) -> tuple[int, dict]:
         microbatches = self.plan.num_microbatches_at(start)
@@ -282,6 +310,11 @@ class _Run:
             return
         if step != self.start_step + 1 and step % interval != 0:
             return
+        if self.pipe is not None:
+            if step == self.start_step + 1:
+                self.logger.echo("log.grad_underflow_interval: not measured under pipeline parallelism (it "
+                                 "differentiates the whole model on one rank)")
+            return
         began = time.perf_counter()
         scale = float(self.state.loss_scale.scale) if self.state.loss_scale is not None else 1.0
         with distributed_context(self.state.params):
@@ -303,7 +336,7 @@ class _Run:
         self.interval_losses.append(loss)
         if step == self.start_step + 1:
             self.logger.echo(f"step {step} took {time.perf_counter() - self.started:.1f} s"
-                             + (" (compiling the train step included)" if run.compile else ""))
+                             + (" (compiling the train step included)" if run.compile and self.pipe is None else ""))
             self.memory_watch.report(self.logger, step, "first step")
             self.meter.reset()
         else:
@@ -348,7 +381,8 @@ class _Run:
         self.val_losses.append((step, val_loss))
         ppl = math.exp(min(val_loss, 50.0))
         self.logger.record("valid", step, loss=val_loss, ppl=ppl)
-        note = " (compiling the eval step included)" if step == 0 and self.cfg.run.compile else ""
+        compiled = self.cfg.run.compile and self.pipe is None
+        note = " (compiling the eval step included)" if step == 0 and compiled else ""
         self.logger.echo(f"validation at step {step}: loss {val_loss:.4f} | ppl {ppl:.2f}{note}")
         self.meter.pause(time.perf_counter() - began)
 
@@ -361,7 +395,10 @@ class _Run:
         finished = self.exit_reason in ("train_iters", "train_samples")
         if self.evaluating and finished and (not self.val_losses or self.val_losses[-1][0] != step):
             self.validate(step)
-        final_params = full_tensors(self.state.params) if self.layout.mesh is not None else self.state.params
+        if self.pipe is not None:
+            final_params = gather_pipeline_params(self.state.params, cfg.model, self.pipe, self.layout.device)
+        else:
+            final_params = full_tensors(self.state.params) if self.layout.mesh is not None else self.state.params
         if (cfg.checkpoint.save_weights or failed is not None) and self.run_dir is not None:
             self.checkpoints.write_weights(final_params, self.run_dir, step, self.logger.echo)
         sample = (_sample_text(final_params, cfg, self.tokenizer)

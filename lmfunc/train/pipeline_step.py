@@ -126,23 +126,12 @@ def make_pipeline_train_step(
         out = lm_loss_of_hidden(params, hidden, micro, cfg, dropout_seed, holder["grad_scale"], True)
         return (out.loss_sum * holder["grad_scale"]).reshape(1), out
 
-    my_stages = split.stages_of_rank(rank)
     first_rank, last_rank = split.rank_of_stage(0), split.rank_of_stage(split.num_stages - 1)
     shared = set(shared_leaves(cfg, split))
     embedding_group = (dist.new_group([dist.get_global_rank(group, r) for r in sorted({first_rank, last_rank})])
                        if shared and first_rank != last_rank else None)
     modules: dict[int, _StageModule] = {}
-    schedule_cls = getattr(pipelining, SCHEDULES[schedule][0])
     runtime: dict = {}
-
-    def build(params: PyTree) -> None:
-        for stage in my_stages:
-            modules[stage] = _StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
-                                          objective)
-        stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group) for s in my_stages]
-        loss_fn = lambda output, target: output.sum()  # noqa: E731 -- the last stage returns the objective
-        runtime["schedule"] = schedule_cls(stages[0] if SCHEDULES[schedule][1] == 1 else stages,
-                                           num_microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         check_batch(batch)
@@ -158,23 +147,14 @@ def make_pipeline_train_step(
         scale = state.loss_scale.scale if loss_scale is not None else None
         holder["grad_scale"] = normaliser * scale if scale is not None else normaliser
         if not modules:
-            build(state.params)
+            runtime["schedule"] = _build_schedule(state.params, cfg, split, schedule, num_microbatches, group, device,
+                                                  compute_dtype, objective, modules)
         for stage, module in modules.items():
             module.bind(stage_params(state.params, cfg, split, stage))
-        flat = {k: v.reshape(num_micro * micro_batch, *v.shape[2:]) for k, v in batch.items()}
-        positions = flat.get("position_ids", torch.arange(seq, device=device).expand(num_micro * micro_batch, seq))
         seeds = (torch.stack([microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
-                 if dropout else torch.zeros(num_micro, 0, dtype=torch.int64, device=device))
-        kwargs = {"position_ids": positions, "seed": seeds}
-        if "doc_ids" in flat:
-            kwargs["doc_ids"] = flat["doc_ids"]
-        if last_rank == rank:
-            kwargs |= {"labels": flat["labels"], "tokens": flat["tokens"]}
-            if "loss_mask" in flat:
-                kwargs["loss_mask"] = flat["loss_mask"]
-        args = (flat["tokens"],) if first_rank == rank else ()
-        target = flat["labels"] if last_rank == rank else None
-        runtime["schedule"].step(*args, target=target, **kwargs)
+                 if dropout else None)
+        args, kwargs = _schedule_inputs(batch, seeds, first_rank == rank, last_rank == rank)
+        runtime["schedule"].step(*args, **kwargs)
         grads = _gather_grads(state.params, modules)
         if embedding_group is not None and rank in (first_rank, last_rank):
             dist.all_reduce(grads["embed"]["tokens"], group=embedding_group)
@@ -183,6 +163,100 @@ def make_pipeline_train_step(
                        consumed=num_micro * micro_batch, consumed_micro=num_micro)
 
     return step
+
+
+def make_pipeline_eval_step(
+    cfg: ModelConfig,
+    split: PipelineSplit,
+    schedule: str,
+    num_microbatches: int,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    device: torch.device = torch.device("cpu"),
+) -> Callable[[PyTree, Batch], Metrics]:
+    """This pipeline rank's ``eval_step(params, batch) -> {"loss_sum", "num_tokens"}`` (as
+    ``make_eval_step``; equal on every rank): ``schedule``'s forward-only pass (torch's
+    ``schedule.eval``, no gradients kept) over the ``num_microbatches`` microbatches of ``batch``,
+    the main next-token loss only, no dropout. ``params`` is this rank's part of the tree. The V
+    schedules (zbv, dualpipev) run a whole step instead and discard its gradients: torch 2.13's
+    forward-only pass of them fails."""
+    if cfg.scan_layers:
+        raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    first_rank, last_rank = split.rank_of_stage(0), split.rank_of_stage(split.num_stages - 1)
+    modules: dict[int, _StageModule] = {}
+    runtime: dict = {}
+    # torch 2.13's forward-only pass of the V schedules fails ("can't steal_bwd_input if this stage
+    # doesn't have backward"): they evaluate with a whole step, whose gradients are discarded.
+    forward_only = SCHEDULES[schedule][2] != "v"
+
+    def objective(params, hidden, micro, dropout_seed):
+        out = lm_loss_of_hidden(params, hidden, micro, cfg)
+        return out.loss_sum.reshape(1), out
+
+    def eval_step(params: PyTree, batch: Batch) -> Metrics:
+        check_batch(batch)
+        if batch["tokens"].shape[0] != num_microbatches:
+            raise ValueError(f"the batch has {batch['tokens'].shape[0]} microbatches but the pipeline eval step was "
+                             f"built for {num_microbatches}")
+        if not modules:
+            runtime["schedule"] = _build_schedule(params, cfg, split, schedule, num_microbatches, group, device,
+                                                  compute_dtype, objective, modules)
+        for stage, module in modules.items():
+            module.bind(stage_params(params, cfg, split, stage))
+        args, kwargs = _schedule_inputs(batch, None, first_rank == rank, last_rank == rank)
+        if forward_only:
+            with torch.no_grad():
+                runtime["schedule"].eval(*args, **kwargs)
+        else:
+            runtime["schedule"].step(*args, **kwargs)
+        sums = torch.zeros(2, device=device)
+        for module in modules.values():
+            for out in module.outputs[len(module.outputs) - num_microbatches:]:
+                sums = sums + torch.stack([out.loss_sum.detach().float(), out.num_tokens.detach().float()])
+        dist.all_reduce(sums, group=group)
+        return {"loss_sum": sums[0], "num_tokens": sums[1]}
+
+    return eval_step
+
+
+def _build_schedule(params: PyTree, cfg: ModelConfig, split: PipelineSplit, schedule: str, num_microbatches: int,
+                    group: dist.ProcessGroup, device: torch.device, compute_dtype: torch.dtype, objective: Callable,
+                    modules: dict):
+    """torch's ``schedule`` over this rank's stage modules (made into ``modules``), for
+    ``num_microbatches`` microbatches. The last stage returns its objective, so the loss function is a
+    sum and the schedule must not rescale the gradients (``scale_grads=False``)."""
+    my_stages = split.stages_of_rank(dist.get_rank(group))
+    for stage in my_stages:
+        modules[stage] = _StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
+                                      objective)
+    stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group) for s in my_stages]
+    loss_fn = lambda output, target: output.sum()  # noqa: E731
+    schedule_cls = getattr(pipelining, SCHEDULES[schedule][0])
+    return schedule_cls(stages[0] if SCHEDULES[schedule][1] == 1 else stages, num_microbatches, loss_fn=loss_fn,
+                        scale_grads=False)
+
+
+def _schedule_inputs(batch: Batch, seeds: Optional[torch.Tensor], first: bool, last: bool) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of ``schedule.step``/``eval`` for a rank holding the
+    first and/or the last stage: ``batch`` ``[M, B, S]`` flattened to ``[M * B, S]`` (the schedule
+    splits it back into M microbatches), ``seeds`` ``[M, 1]`` the dropout seeds (None: no dropout)."""
+    num_micro, micro_batch, seq = batch["tokens"].shape
+    device = batch["tokens"].device
+    flat = {k: v.reshape(num_micro * micro_batch, *v.shape[2:]) for k, v in batch.items()}
+    positions = flat.get("position_ids", torch.arange(seq, device=device).expand(num_micro * micro_batch, seq))
+    kwargs = {"position_ids": positions,
+              "seed": seeds if seeds is not None else torch.zeros(num_micro, 0, dtype=torch.int64, device=device)}
+    if "doc_ids" in flat:
+        kwargs["doc_ids"] = flat["doc_ids"]
+    if last:
+        kwargs |= {"labels": flat["labels"], "tokens": flat["tokens"]}
+        if "loss_mask" in flat:
+            kwargs["loss_mask"] = flat["loss_mask"]
+    kwargs["target"] = flat["labels"] if last else None
+    return ((flat["tokens"],) if first else ()), kwargs
 
 
 def _gather_grads(params: PyTree, modules: dict) -> PyTree:

@@ -221,7 +221,7 @@ class Restored:
 
 
 def restore_state(cfg: TrainConfig, fresh: TrainState, load_dir: str, step: Optional[int],
-                  warn: Callable[[str], None] = print) -> Restored:
+                  warn: Callable[[str], None] = print, part: bool = False) -> Restored:
     """``fresh`` (a newly initialised state in this run's layout) or, when ``step`` is given, the
     checkpoint of that step loaded into ``fresh``'s layout: the whole state, or only the params with
     ``checkpoint.finetune``. The saved model must have the same shapes (checked first).
@@ -229,6 +229,8 @@ def restore_state(cfg: TrainConfig, fresh: TrainState, load_dir: str, step: Opti
     A damaged checkpoint (missing or unreadable files) found by the automatic resume is reported
     through ``warn`` and the previous complete one is tried (why ``checkpoint.keep`` defaults to 2);
     an explicit ``checkpoint.load_step`` is not replaced. When none loads: ``ConfigError``.
+    ``part``: ``fresh`` holds a part of the model (a pipeline rank's leaves), so the checkpoint's
+    other leaves are left unread.
     """
     if step is None:
         return Restored(fresh, None)
@@ -237,7 +239,7 @@ def restore_state(cfg: TrainConfig, fresh: TrainState, load_dir: str, step: Opti
     for candidate in candidates:
         path = os.path.join(load_dir, step_dir_name(candidate))
         try:
-            return _load_checkpoint(cfg, fresh, path)
+            return _load_checkpoint(cfg, fresh, path, part)
         except DamagedCheckpoint as err:
             damage.append(str(err))
             if candidate != candidates[-1]:
@@ -247,13 +249,13 @@ def restore_state(cfg: TrainConfig, fresh: TrainState, load_dir: str, step: Opti
                       "or start fresh with --checkpoint.no-resume (or another run.name)")
 
 
-def _load_checkpoint(cfg: TrainConfig, fresh: TrainState, path: str) -> Restored:
+def _load_checkpoint(cfg: TrainConfig, fresh: TrainState, path: str, part: bool) -> Restored:
     check_model_matches(saved_config(path).model, cfg.model, path)
     if cfg.checkpoint.finetune:
         loaded = load_tree({"params": fresh.params}, path, allow_unused=True)
         return Restored(fresh.replace(params=loaded["params"]), path, finetune=True)
     try:
-        return Restored(load_tree(fresh, path), path)
+        return Restored(load_tree(fresh, path, allow_unused=part), path)
     except ValueError as err:
         raise ConfigError(f"{err}. The run's optimizer or precision settings differ from the checkpoint's "
                           "(e.g. loss scaling on/off); match them or use --checkpoint.finetune") from None

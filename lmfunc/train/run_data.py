@@ -39,7 +39,7 @@ def global_batch_part(dataset, start: int, microbatches: int, cfg: TrainConfig, 
     """This rank's part of the global batch that starts at sample ``start``, Megatron's sequential
     sampler: microbatch j covers samples ``start + j * micro * dp ...``, of which data-parallel rank
     r loads ``micro`` from offset ``r * micro``. A ``[microbatches, micro_batch_size, S]`` batch, as
-    DTensors of the global batch on a mesh."""
+    DTensors of the global batch on a mesh (plain tensors on a pipeline rank)."""
     micro, dp, rank = cfg.run.micro_batch_size, layout.data_parallel_size, data_parallel_rank(layout)
     indices = [start + j * micro * dp + rank * micro + i for j in range(microbatches) for i in range(micro)]
     samples = np.stack([dataset[i] for i in indices]).reshape(microbatches, micro, -1)
@@ -47,7 +47,9 @@ def global_batch_part(dataset, start: int, microbatches: int, cfg: TrainConfig, 
     batch = lm_batch(samples, tokenizer.eod, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss,
                      getattr(tokenizer, "pad", None))
     batch = {k: v.to(layout.device) for k, v in batch.items()}
-    return local_batch_to_dtensor(batch, layout.mesh) if layout.mesh is not None else batch
+    # a pipeline rank's stages take plain tensors: its schedule splits the batch into microbatches
+    on_mesh = layout.mesh is not None and layout.sizes["pp"] == 1
+    return local_batch_to_dtensor(batch, layout.mesh) if on_mesh else batch
 
 
 def eval_batches(dataset, cfg: TrainConfig, tokenizer, layout: Layout) -> list[dict]:

@@ -1,0 +1,77 @@
+"""What the trainer needs to run a pipeline-parallel layout: this process's pipeline rank and split,
+its part of the initial parameters, and the whole tree gathered back for the final weights and the
+sample.
+
+The trainer runs ``parallel.pp > 1`` alone (every other mesh size 1): every process is one pipeline
+rank, the mesh has the single dim ``pp``, and each rank's state is its part of the parameter tree
+(``rank_params``: plain tensors under the model-wide names). A checkpoint holds every rank's leaves
+under those names, so it loads on any other pp size, or on one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lmfunc.config.model import ModelConfig
+from lmfunc.config.pipeline import PipelineSplit, pipeline_split
+from lmfunc.config.train import TrainConfig
+from lmfunc.model import gpt
+from lmfunc.parallel.mesh import Layout
+from lmfunc.train.pipeline_step import rank_params
+from lmfunc.tree import PyTree, flatten_with_paths, tree_map_with_path, tree_unflatten_as
+
+
+@dataclass(frozen=True)
+class PipelineRank:
+    """This process's place in the pipeline: the split, the schedule, the pipeline process group
+    and its rank in it."""
+
+    split: PipelineSplit
+    schedule: str
+    group: dist.ProcessGroup
+    rank: int
+
+
+def pipeline_rank(cfg: TrainConfig, layout: Layout) -> Optional[PipelineRank]:
+    """The pipeline rank of this process under ``layout`` (None when ``pp`` is 1)."""
+    if layout.sizes["pp"] == 1:
+        return None
+    p = cfg.parallel
+    split = pipeline_split(cfg.model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
+                           p.pp_last_stage_layers)
+    return PipelineRank(split, p.pp_schedule, layout.mesh.get_group("pp"), layout.mesh.get_local_rank("pp"))
+
+
+def _is_spec(x) -> bool:
+    return hasattr(x, "axes") and not isinstance(x, dict)
+
+
+def init_rank_params(cfg: ModelConfig, pipe: PipelineRank, seed: int, device: torch.device) -> PyTree:
+    """This rank's part of ``model.init(cfg, seed)`` on ``device``, drawing only its own leaves
+    (each leaf has its own generator, so the values equal the whole tree's)."""
+    specs = rank_params(gpt.param_specs(cfg), cfg, pipe.split, pipe.rank)
+    return tree_map_with_path(lambda path, spec: gpt.init_leaf(spec, path, cfg, seed, torch.float32).to(device),
+                              specs, is_leaf=_is_spec)
+
+
+def gather_pipeline_params(params: PyTree, cfg: ModelConfig, pipe: PipelineRank, device: torch.device) -> PyTree:
+    """The whole parameter tree on every rank, from each rank's part ``params`` (a collective: each
+    leaf is broadcast from the lowest pipeline rank that holds it)."""
+    whole = gpt.param_shapes(cfg)
+    mine = dict(flatten_with_paths(params))
+    owners: dict[str, int] = {}
+    for rank in reversed(range(pipe.split.pp)):
+        for path, _ in flatten_with_paths(rank_params(whole, cfg, pipe.split, rank)):
+            owners[path] = rank
+    leaves = []
+    for path, shape in flatten_with_paths(whole):
+        owner = owners[path]
+        leaf = mine[path].detach().clone() if owner == pipe.rank else torch.empty(shape.shape, dtype=shape.dtype,
+                                                                                  device=device)
+        dist.broadcast(leaf, src=dist.get_global_rank(pipe.group, owner), group=pipe.group)
+        leaves.append(leaf)
+    return tree_unflatten_as(whole, leaves)

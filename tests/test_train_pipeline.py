@@ -1,0 +1,82 @@
+"""``python -m lmfunc.train`` with ``--parallel.pp`` (torchrun, gloo): the pipeline run trains and
+evaluates like one process, resumes exactly from its own checkpoint, and its checkpoint loads on
+other pp sizes and on one process, equal to the consolidated state."""
+
+import os
+
+import pytest
+import torch
+
+from lmfunc.train.log import read_log
+from tests.helpers import run_torchrun
+
+STEPS = 6
+COMMON = ["-m", "lmfunc.train", "--preset", "tiny", "--model.num-layers", "4", "--model.no-scan-layers",
+          "--model.vocab-size", "384", "--data.seq-length", "32", "--run.train-iters", str(STEPS),
+          "--optim.lr-warmup-iters", "2", "--run.eval-iters", "2", "--run.eval-interval", "3", "--run.no-compile",
+          "--log.no-progress-bar", "--log.log-interval", "1", "--run.micro-batch-size", "2",
+          "--run.global-batch-size", "8", "--run.sample-tokens", "0", "--log.peak-flops", "1e11",
+          "--checkpoint.save-interval", "3", "--checkpoint.keep", "None"]
+
+
+def _losses(run_dir, kind: str = "train") -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_log(os.path.join(run_dir, "log.jsonl")) if r["kind"] == kind}
+
+
+def _train(root, name: str, nproc: int, *flags: str) -> str:
+    run_torchrun(nproc, COMMON + ["--run.out-dir", str(root), "--data.cache-dir", str(root / "cache"),
+                                  "--run.name", name, *flags])
+    return str(root / name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process (the reference) and pp = 2 with 1F1B, each 6 steps with checkpoints at 3 and 6."""
+    root = tmp_path_factory.mktemp("pipeline_runs")
+    _train(root, "single", 1)
+    _train(root, "pp2", 2, "--parallel.pp", "2")
+    return root
+
+
+def test_pp2_trains_and_evaluates_like_one_process(runs):
+    for kind in ("train", "valid"):
+        want, got = _losses(runs / "single", kind), _losses(runs / "pp2", kind)
+        assert sorted(got) == sorted(want) and len(want) >= (STEPS if kind == "train" else 3)
+        for step, loss in want.items():
+            assert got[step] == pytest.approx(loss, rel=1e-5), (kind, step)
+    log = read_log(str(runs / "pp2" / "log.jsonl"))
+    assert log[-1]["kind"] == "end" and log[-1]["exit_reason"] == "train_iters"
+
+
+def test_pp2_resumes_exactly_from_its_checkpoint(runs, tmp_path):
+    resumed = _train(tmp_path, "resumed", 2, "--parallel.pp", "2", "--checkpoint.load",
+                     str(runs / "pp2" / "checkpoints"), "--checkpoint.load-step", "3")
+    want = _losses(runs / "pp2")
+    got = _losses(resumed)
+    assert sorted(got) == list(range(4, STEPS + 1))
+    assert all(got[step] == want[step] for step in got), (got, want)  # bit-identical on the same layout
+
+
+@pytest.mark.parametrize("nproc, flags", [
+    (1, []),
+    pytest.param(4, ["--parallel.pp", "4", "--parallel.pp-schedule", "gpipe"], marks=pytest.mark.slow),
+])
+def test_a_pp2_checkpoint_continues_on_another_pp_size(runs, tmp_path, nproc, flags):
+    continued = _train(tmp_path, "continued", nproc, *flags, "--checkpoint.load", str(runs / "pp2" / "checkpoints"),
+                       "--checkpoint.load-step", "3")
+    want, got = _losses(runs / "single"), _losses(continued)
+    assert sorted(got) == list(range(4, STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step], rel=1e-5), step
+
+
+@pytest.mark.parametrize("layout, nproc", [("single", 1), pytest.param("pp=4", 4, marks=pytest.mark.slow)])
+def test_a_pp2_checkpoint_loads_equal_on_other_layouts(runs, layout, nproc, tmp_path):
+    step_dir = str(runs / "pp2" / "checkpoints" / "iter_0000006")
+    run_torchrun(2, ["tests/checkpoint_worker.py", step_dir, "pp=2", str(tmp_path / "pp2.pt")])
+    run_torchrun(nproc, ["tests/checkpoint_worker.py", step_dir, layout, str(tmp_path / "loaded.pt")])
+    want, got = torch.load(tmp_path / "pp2.pt"), torch.load(tmp_path / "loaded.pt")
+    assert set(got) == set(want) and any(k.startswith("opt_state.0.mu.layers.3.") for k in got)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert int(got["step"]) == STEPS and int(got["consumed_samples"]) == 8 * STEPS
