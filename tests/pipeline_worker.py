@@ -5,7 +5,8 @@ params and Adam moments agree with the one-process ones under the same names, an
 pipeline's forward-only evaluation (``make_pipeline_eval_step``) gives the one-process
 ``make_eval_step``'s loss before the first step and after the last.
 
-``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16``: VIRTUAL 0 for none; MTP, TIE and FP16 0/1.
+``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16 [COMPILE]``: VIRTUAL 0 for none; MTP, TIE,
+FP16 and COMPILE (the stages compiled; default 0) 0/1.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ to 1.4e-3 (rel L2, measured). The evaluation losses agree exactly at the same pa
 schedule's ``autograd.backward`` into parameters and the one-process step's ``autograd.grad``
 evidently order some 16-bit reductions differently; the cause is not pinned down."""
 
+COMPILED_LEAVES_TOLERANCE = 2e-4
+"""Compiled stages against the eager one-process step: Inductor's kernels round differently, and
+Adam turns that into parameter differences of up to 9.6e-5 (rel L2) in five steps, the same leaf
+and size as the one-process compiled step against the eager one (measured); the losses and
+gradient norms still agree to 1e-5."""
+
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -43,6 +50,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     schedule, virtual, mtp, tie, fp16 = sys.argv[1], int(sys.argv[2]) or None, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    compiled = len(sys.argv) > 6 and bool(int(sys.argv[6]))
     dist.init_process_group("gloo")
     rank, pp = dist.get_rank(), dist.get_world_size()
     split = pipeline_split(8, pp=pp, schedule=schedule, virtual_stages=virtual)
@@ -54,12 +62,15 @@ def main() -> None:
     scaling = LossScaleConfig(initial_scale=2.0**15) if fp16 else None
     dtype = torch.float16 if fp16 else torch.float32
     reference = make_train_step(cfg, tx, compile=False, compute_dtype=dtype, loss_scale=scaling)
-    piped = make_pipeline_train_step(cfg, tx, split, schedule, MICROBATCHES, compute_dtype=dtype, loss_scale=scaling)
+    piped = make_pipeline_train_step(cfg, tx, split, schedule, MICROBATCHES, compute_dtype=dtype, loss_scale=scaling,
+                                     compile=compiled)
     whole = TrainState.create(params, tx, loss_scale=scaling)
     mine = TrainState.create(rank_params(params, cfg, split, rank), tx, loss_scale=scaling)
     tolerance, worst = (FP16_TOLERANCE if fp16 else FP32_TOLERANCE), 0.0
+    if compiled:
+        tolerance = {**tolerance, "leaves": max(tolerance["leaves"], COMPILED_LEAVES_TOLERANCE)}
     evaluate = make_eval_step(cfg, compute_dtype=dtype, compile=False)
-    piped_eval = make_pipeline_eval_step(cfg, split, schedule, MICROBATCHES, compute_dtype=dtype)
+    piped_eval = make_pipeline_eval_step(cfg, split, schedule, MICROBATCHES, compute_dtype=dtype, compile=compiled)
     held_out = lm_batch(cfg.vocab_size, MICROBATCHES, 2, 16, seed=100)
 
     def eval_error() -> float:

@@ -48,6 +48,20 @@ def test_pp2_trains_and_evaluates_like_one_process(runs):
     assert log[-1]["kind"] == "end" and log[-1]["exit_reason"] == "train_iters"
 
 
+@pytest.mark.slow
+def test_pp2_with_compiled_stages_and_update_trains_like_one_process(runs, tmp_path):
+    """``run.compile`` on: each stage's forward and backward and the update compiled (the
+    reference is the eager one-process run)."""
+    compiled = [flag for flag in COMMON if flag != "--run.no-compile"]
+    run_torchrun(2, compiled + ["--run.out-dir", str(tmp_path), "--data.cache-dir", str(tmp_path / "cache"),
+                                "--run.name", "compiled", "--parallel.pp", "2"])
+    for kind in ("train", "valid"):
+        want, got = _losses(runs / "single", kind), _losses(tmp_path / "compiled", kind)
+        assert sorted(got) == sorted(want)
+        for step, loss in want.items():
+            assert got[step] == pytest.approx(loss, rel=1e-5), (kind, step)
+
+
 def test_pp2_resumes_exactly_from_its_checkpoint(runs, tmp_path):
     resumed = _train(tmp_path, "resumed", 2, "--parallel.pp", "2", "--checkpoint.load",
                      str(runs / "pp2" / "checkpoints"), "--checkpoint.load-step", "3")

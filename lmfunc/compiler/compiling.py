@@ -48,7 +48,7 @@ def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
     """A Dynamo backend that returns at once and compiles the captured graph with Inductor (with
     these config ``options``) on its first call, with that call's inputs as example inputs, after
     Dynamo's capture has ended; ``release_compile_garbage`` runs before and after the compile. The
-    torch settings lmfunc's passes need (``_inductor_settings``) hold during that compile only."""
+    torch settings lmfunc's passes need (``compile_settings``) hold during that compile only."""
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         compiled = None
@@ -57,7 +57,7 @@ def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
             nonlocal compiled
             if compiled is None:
                 release_compile_garbage()
-                with _inductor_settings():
+                with compile_settings():
                     compiled = _compile_static(graph, list(args), options)
                 release_compile_garbage()
             return compiled(*args)
@@ -84,12 +84,12 @@ def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, 
 
 
 _CACHEABLE_OPERATORS = {"torch.ops.higher_order.scan": torch.__version__}
-"""Higher-order operators the compile caches may take (``_inductor_settings``), keyed by the torch
+"""Higher-order operators the compile caches may take (``compile_settings``), keyed by the torch
 version as Inductor's ``unsafe_marked_cacheable_functions`` asks."""
 
 
 @contextlib.contextmanager
-def _inductor_settings():
+def compile_settings():
     """While AOTAutograd and Inductor compile the step: AOTAutograd's own recompute of tagged ops
     is off (``lmfunc.compiler.recompute_pass`` does it, per microbatch), Inductor reuses a matmul's
     buffer in place although the graph writes into its inputs (``inplace_reuse``), and

@@ -43,7 +43,7 @@ from torch._dynamo.aot_compile import AOTCompilePickler
 from torch.utils import _pytree as pytree
 
 from lmfunc.compiler.compiling import (
-    _inductor_settings, _older_objects_frozen, compile_step, inductor_options, release_compile_garbage,
+    compile_settings, _older_objects_frozen, compile_step, inductor_options, release_compile_garbage,
     tracing_settings,
 )
 
@@ -182,7 +182,7 @@ def _discarded_tracing_context():
 def _load(path: Path, fn: Callable, args: tuple) -> Optional[Any]:
     """The step saved at ``path`` if it loads and its guards accept ``args``, else None (warned)."""
     try:
-        with open(path, "rb") as file, _discarded_tracing_context(), _inductor_settings():
+        with open(path, "rb") as file, _discarded_tracing_context(), compile_settings():
             loaded = torch.compiler.load_compiled_function(file, f_globals=fn.__globals__)
     except Exception as error:  # a damaged or incompatible file: compile again, and replace it
         _warn(f"{path} could not be loaded ({type(error).__name__}: {error}); compiling the step again")
@@ -200,7 +200,7 @@ def _compile_and_save(fn: Callable, args: tuple, choose_saved: bool, path: Path)
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor",
                              options=inductor_options(choose_saved))
     try:
-        with tracing_settings(), _older_objects_frozen(), _inductor_settings():
+        with tracing_settings(), _older_objects_frozen(), compile_settings():
             saved = compiled.aot_compile((args, {}))
     except Exception as error:  # the trace cannot be kept whole: the ordinary compile can still run it
         _warn(f"torch could not precompile the step ({type(error).__name__}: {error}); compiling it the "

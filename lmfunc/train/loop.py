@@ -40,7 +40,7 @@ from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
 from lmfunc.train.params import initial_params
 from lmfunc.train.pipeline_run import gather_pipeline_params, init_rank_params, pipeline_rank
-from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
+from lmfunc.train.pipeline_step import compiles_stages, make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.train.profiling import StepProfiler
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
@@ -243,17 +243,19 @@ class _Run:
         over this rank's stages, every rank loading the whole batch."""
         cfg, pipe, device = self.cfg, self.pipe, self.layout.device
         microbatches = self.plan.num_microbatches_at(0)
+        compile = cfg.run.compile
         self.train_step = make_pipeline_train_step(
             cfg.model, tx, pipe.split, pipe.schedule, microbatches, pipe.group, clip_grad=cfg.optim.clip_grad,
-            lr_schedule=schedule, compute_dtype=dtype, loss_scale=loss_scale, device=device)
+            lr_schedule=schedule, compute_dtype=dtype, loss_scale=loss_scale, device=device, compile=compile)
         self.eval_step = make_pipeline_eval_step(cfg.model, pipe.split, pipe.schedule, microbatches, pipe.group,
-                                                 compute_dtype=dtype, device=device)
+                                                 compute_dtype=dtype, device=device, compile=compile)
         self.logger.echo(f"pipeline: {pipe.schedule} over pp {pipe.split.pp} ({pipe.split.num_stages} stages, "
                          f"{microbatches} microbatches per step); rank 0 runs "
                          + ", ".join(f"stage {s}: layers {list(pipe.split.layers[s])}"
                                      for s in pipe.split.stages_of_rank(0))
-                         + "; the stages run eagerly (torch's schedule drives them microbatch by microbatch)"
-                         + (", run.compile does not apply" if cfg.run.compile else ""))
+                         + ("; each stage's forward and backward compiled" if compiles_stages(pipe.schedule, compile)
+                            else "; the stages run eagerly")
+                         + ("; the update compiled" if compile else ""))
 
     def _train_batch(self, start: int) -> tuple[int, dict]:
         microbatches = self.plan.num_microbatches_at(start)
@@ -336,7 +338,7 @@ class _Run:
         self.interval_losses.append(loss)
         if step == self.start_step + 1:
             self.logger.echo(f"step {step} took {time.perf_counter() - self.started:.1f} s"
-                             + (" (compiling the train step included)" if run.compile and self.pipe is None else ""))
+                             + (" (compiling the train step included)" if run.compile else ""))
             self.memory_watch.report(self.logger, step, "first step")
             self.meter.reset()
         else:
@@ -381,8 +383,7 @@ class _Run:
         self.val_losses.append((step, val_loss))
         ppl = math.exp(min(val_loss, 50.0))
         self.logger.record("valid", step, loss=val_loss, ppl=ppl)
-        compiled = self.cfg.run.compile and self.pipe is None
-        note = " (compiling the eval step included)" if step == 0 and compiled else ""
+        note = " (compiling the eval step included)" if step == 0 and self.cfg.run.compile else ""
         self.logger.echo(f"validation at step {step}: loss {val_loss:.4f} | ppl {ppl:.2f}{note}")
         self.meter.pause(time.perf_counter() - began)
 

@@ -19,13 +19,18 @@ signature: ``state.params`` is this rank's part of the parameter tree (the union
   stage (tied, or read by MTP: ``shared_leaves``) has its two gradients summed over the embedding
   group, as Megatron does. The global norm (each leaf counted once) and the overflow flag are
   reduced over the pipeline group, so every rank clips by the same factor and skips the same steps.
-- **What runs eagerly.** The schedule drives each stage's forward and backward microbatch by
-  microbatch, so a step is not one graph here: the stages run eagerly and the update is an
-  ordinary function of this rank's state.
+- **What is compiled.** The schedule drives each stage's forward and backward microbatch by
+  microbatch, so a step is not one graph here. With ``compile`` each stage's function is compiled
+  (``torch.compile``; AOTAutograd compiles its backward; not under the split-backward schedules,
+  ``compiles_stages``), and the update (unscaling, the overflow
+  flag, the norm and its all-reduce over the pipeline, clipping, AdamW, the loss scaler) is one
+  compiled function of this rank's state (``lmfunc.compiler.compile_step``). Without it all of
+  this runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -34,8 +39,9 @@ from torch import nn
 from torch.distributed import pipelining
 
 from lmfunc.config.model import ModelConfig
-from lmfunc.config.pipeline import SCHEDULES, PipelineSplit, check_schedule_model
-from lmfunc.loss import lm_loss_of_hidden
+from lmfunc.config.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSplit, check_schedule_model
+from lmfunc.compiler.compiling import compile_settings, compile_step, with_own_code
+from lmfunc.loss import LossOutput, lm_loss_of_hidden
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
 from lmfunc.precision import LossScaleConfig, all_finite, cast_params
@@ -58,30 +64,47 @@ def rank_params(params: PyTree, cfg: ModelConfig, split: PipelineSplit, rank: in
 class _StageModule(nn.Module):
     """One stage for torch's ``PipelineStage``: its leaves as parameters (rebound to the state's
     tensors each step) and ``stage_forward``; on the last stage also the loss, whose per-microbatch
-    ``LossOutput`` it records for the step's metrics."""
+    ``LossOutput`` it records for the step's metrics. With ``compile`` the stage's function is
+    compiled (``torch.compile``, Inductor): AOTAutograd compiles its backward with it."""
 
     def __init__(self, template: PyTree, cfg: ModelConfig, split: PipelineSplit, stage: int,
-                 compute_dtype: torch.dtype, objective: Callable) -> None:
+                 compute_dtype: torch.dtype, objective: Callable, compile: bool) -> None:
         super().__init__()
         self.template, self.cfg, self.split, self.stage = template, cfg, split, stage
         self.paths = [path for path, _ in flatten_with_paths(template)]
         self.weights = nn.ParameterList(nn.Parameter(leaf.detach(), requires_grad=leaf.is_floating_point())
                                         for _, leaf in flatten_with_paths(template))
         self.compute_dtype, self.objective, self.outputs = compute_dtype, objective, []
+        self.grad_scale: Optional[torch.Tensor] = None
+        self.run = self._run
+        if compile:
+            self.run = torch.compile(with_own_code(_stage_function(self)), fullgraph=True, dynamic=False)
 
-    def bind(self, params: PyTree) -> None:
-        """Use ``params`` (this stage's subtree) for the next step. The parameter objects stay (torch's
-        schedules hold them: zero bubble computes weight gradients from ``parameters()``); their data
-        becomes the state's tensors (no copy) and their gradients are cleared."""
+    def bind(self, params: PyTree, grad_scale: Optional[torch.Tensor] = None) -> None:
+        """Use ``params`` (this stage's subtree) for the next step, whose objective is multiplied by
+        ``grad_scale``. The parameter objects stay (torch's schedules hold them: zero bubble computes
+        weight gradients from ``parameters()``); their data becomes the state's tensors (no copy)
+        and their gradients are cleared."""
         for weight, (_, leaf) in zip(self.weights, flatten_with_paths(params)):
             weight.data, weight.grad = leaf.detach(), None
-        self.outputs = []
+        self.outputs, self.grad_scale = [], grad_scale
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.weights]
 
     def forward(self, x, position_ids, seed, doc_ids=None, labels=None, loss_mask=None, tokens=None):
-        params = cast_params(tree_unflatten_as(self.template, list(self.weights)), self.compute_dtype)
+        result = self.run(list(self.weights), x, position_ids, seed, doc_ids, labels, loss_mask, tokens,
+                          self.grad_scale)
+        if not self.split.holds_head(self.stage):
+            return result
+        value, *out = result
+        self.outputs.append(LossOutput(*out))
+        return value
+
+    def _run(self, weights, x, position_ids, seed, doc_ids, labels, loss_mask, tokens, grad_scale):
+        """The stage's hidden states ``[B, S, h]``, or on the last stage the tuple (objective,
+        ``LossOutput``'s fields)."""
+        params = cast_params(tree_unflatten_as(self.template, weights), self.compute_dtype)
         dropout_seed = seed[0] if seed.numel() else None
         hidden = stage_forward(params, x, self.cfg, self.split, self.stage, position_ids, doc_ids, dropout_seed)
         if not self.split.holds_head(self.stage):
@@ -89,9 +112,18 @@ class _StageModule(nn.Module):
         micro = {"tokens": tokens, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
         if loss_mask is not None:
             micro["loss_mask"] = loss_mask
-        value, out = self.objective(params, hidden, {k: v for k, v in micro.items() if v is not None}, dropout_seed)
-        self.outputs.append(out)
-        return value
+        micro = {k: v for k, v in micro.items() if v is not None}
+        value, out = self.objective(params, hidden, micro, dropout_seed, grad_scale)
+        return (value, *out)
+
+
+def _stage_function(module: _StageModule) -> Callable:
+    """``module._run`` as a plain function (what ``with_own_code`` copies for ``torch.compile``)."""
+
+    def run(weights, x, position_ids, seed, doc_ids, labels, loss_mask, tokens, grad_scale):
+        return module._run(weights, x, position_ids, seed, doc_ids, labels, loss_mask, tokens, grad_scale)
+
+    return run
 
 
 def make_pipeline_train_step(
@@ -107,6 +139,7 @@ def make_pipeline_train_step(
     compute_dtype: torch.dtype = torch.float32,
     loss_scale: Optional[LossScaleConfig] = None,
     device: torch.device = torch.device("cpu"),
+    compile: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build this pipeline rank's ``step(state, batch) -> (state, metrics)`` (module docstring) for
     ``schedule`` (``lmfunc.config.pipeline.SCHEDULES``) over ``group`` (default: the world), with
@@ -119,12 +152,12 @@ def make_pipeline_train_step(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world != split.pp:
         raise ValueError(f"the pipeline group has {world} ranks but the split has parallel.pp = {split.pp}")
-    holder: dict = {}
     dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+    compile_stages = compiles_stages(schedule, compile)
 
-    def objective(params, hidden, micro, dropout_seed):
-        out = lm_loss_of_hidden(params, hidden, micro, cfg, dropout_seed, holder["grad_scale"], True)
-        return (out.loss_sum * holder["grad_scale"]).reshape(1), out
+    def objective(params, hidden, micro, dropout_seed, grad_scale):
+        out = lm_loss_of_hidden(params, hidden, micro, cfg, dropout_seed, grad_scale, True)
+        return (out.loss_sum * grad_scale).reshape(1), out
 
     first_rank, last_rank = split.rank_of_stage(0), split.rank_of_stage(split.num_stages - 1)
     shared = set(shared_leaves(cfg, split))
@@ -145,23 +178,35 @@ def make_pipeline_train_step(
             num_tokens = torch.tensor(float(batch["tokens"].numel()), device=device)
         normaliser = 1.0 / torch.clamp(num_tokens, min=1.0)
         scale = state.loss_scale.scale if loss_scale is not None else None
-        holder["grad_scale"] = normaliser * scale if scale is not None else normaliser
-        if not modules:
+        grad_scale = normaliser * scale if scale is not None else normaliser
+        first_call = not modules
+        if first_call:
             runtime["schedule"] = _build_schedule(state.params, cfg, split, schedule, num_microbatches, group, device,
-                                                  compute_dtype, objective, modules)
+                                                  compute_dtype, objective, modules, compile_stages)
         for stage, module in modules.items():
-            module.bind(stage_params(state.params, cfg, split, stage))
+            module.bind(stage_params(state.params, cfg, split, stage), grad_scale)
         seeds = (torch.stack([microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
                  if dropout else None)
         args, kwargs = _schedule_inputs(batch, seeds, first_rank == rank, last_rank == rank)
-        runtime["schedule"].step(*args, **kwargs)
+        with compile_settings() if compile_stages and first_call else contextlib.nullcontext():
+            runtime["schedule"].step(*args, **kwargs)
         grads = _gather_grads(state.params, modules)
         if embedding_group is not None and rank in (first_rank, last_rank):
             dist.all_reduce(grads["embed"]["tokens"], group=embedding_group)
-        return _update(state, grads, tx, clip_grad, loss_scale, scale, group, lr_schedule, modules, cfg,
-                       normaliser, num_tokens, counted=lambda path: path not in shared or rank == first_rank,
-                       consumed=num_micro * micro_batch, consumed_micro=num_micro)
+        # the last M calls: on its first step a PipelineStage also runs the forward once to infer shapes
+        outputs = [out for module in modules.values() for out in module.outputs[len(module.outputs) - num_micro:]]
+        sums = torch.zeros(1 + 2 * cfg.mtp_num_layers, device=device)
+        for out in outputs:
+            sums = sums + torch.cat([out.loss_sum.detach().reshape(1), out.mtp_loss_sums.detach(),
+                                     out.mtp_num_tokens])
+        return run_update(state, grads, sums, normaliser, num_tokens, num_micro * micro_batch)
 
+    def update(state: TrainState, grads: PyTree, sums: torch.Tensor, normaliser: torch.Tensor,
+               num_tokens: torch.Tensor, consumed: int) -> tuple[TrainState, Metrics]:
+        return _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens,
+                       counted=lambda path: path not in shared or rank == first_rank, consumed=consumed)
+
+    run_update = compile_step(update, bucket_size_mb=None) if compile else update
     return step
 
 
@@ -174,6 +219,7 @@ def make_pipeline_eval_step(
     *,
     compute_dtype: torch.dtype = torch.float32,
     device: torch.device = torch.device("cpu"),
+    compile: bool = False,
 ) -> Callable[[PyTree, Batch], Metrics]:
     """This pipeline rank's ``eval_step(params, batch) -> {"loss_sum", "num_tokens"}`` (as
     ``make_eval_step``; equal on every rank): ``schedule``'s forward-only pass (torch's
@@ -191,8 +237,9 @@ def make_pipeline_eval_step(
     # torch 2.13's forward-only pass of the V schedules fails ("can't steal_bwd_input if this stage
     # doesn't have backward"): they evaluate with a whole step, whose gradients are discarded.
     forward_only = SCHEDULES[schedule][2] != "v"
+    compile_stages = compiles_stages(schedule, compile)
 
-    def objective(params, hidden, micro, dropout_seed):
+    def objective(params, hidden, micro, dropout_seed, grad_scale):
         out = lm_loss_of_hidden(params, hidden, micro, cfg)
         return out.loss_sum.reshape(1), out
 
@@ -201,17 +248,19 @@ def make_pipeline_eval_step(
         if batch["tokens"].shape[0] != num_microbatches:
             raise ValueError(f"the batch has {batch['tokens'].shape[0]} microbatches but the pipeline eval step was "
                              f"built for {num_microbatches}")
-        if not modules:
+        first_call = not modules
+        if first_call:
             runtime["schedule"] = _build_schedule(params, cfg, split, schedule, num_microbatches, group, device,
-                                                  compute_dtype, objective, modules)
+                                                  compute_dtype, objective, modules, compile_stages)
         for stage, module in modules.items():
             module.bind(stage_params(params, cfg, split, stage))
         args, kwargs = _schedule_inputs(batch, None, first_rank == rank, last_rank == rank)
-        if forward_only:
-            with torch.no_grad():
-                runtime["schedule"].eval(*args, **kwargs)
-        else:
-            runtime["schedule"].step(*args, **kwargs)
+        with compile_settings() if compile_stages and first_call else contextlib.nullcontext():
+            if forward_only:
+                with torch.no_grad():
+                    runtime["schedule"].eval(*args, **kwargs)
+            else:
+                runtime["schedule"].step(*args, **kwargs)
         sums = torch.zeros(2, device=device)
         for module in modules.values():
             for out in module.outputs[len(module.outputs) - num_microbatches:]:
@@ -222,16 +271,25 @@ def make_pipeline_eval_step(
     return eval_step
 
 
+def compiles_stages(schedule: str, compile: bool) -> bool:
+    """Whether ``compile`` compiles the stages under ``schedule``. The schedules that split the
+    backward (``SPLIT_BACKWARD``) run them eagerly: their input-gradient pass keeps the graph
+    (``retain_graph``) for the weight pass, which a compiled backward with AOTAutograd's donated
+    buffers refuses ("compiled with non-empty donated buffers"), and turning those off while the
+    stages compile (``torch._functorch.config.donated_buffer``) did not stop it in torch 2.13."""
+    return compile and schedule not in SPLIT_BACKWARD
+
+
 def _build_schedule(params: PyTree, cfg: ModelConfig, split: PipelineSplit, schedule: str, num_microbatches: int,
                     group: dist.ProcessGroup, device: torch.device, compute_dtype: torch.dtype, objective: Callable,
-                    modules: dict):
+                    modules: dict, compile: bool):
     """torch's ``schedule`` over this rank's stage modules (made into ``modules``), for
     ``num_microbatches`` microbatches. The last stage returns its objective, so the loss function is a
     sum and the schedule must not rescale the gradients (``scale_grads=False``)."""
     my_stages = split.stages_of_rank(dist.get_rank(group))
     for stage in my_stages:
         modules[stage] = _StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
-                                      objective)
+                                      objective, compile)
     stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group) for s in my_stages]
     loss_fn = lambda output, target: output.sum()  # noqa: E731
     schedule_cls = getattr(pipelining, SCHEDULES[schedule][0])
@@ -269,10 +327,12 @@ def _gather_grads(params: PyTree, modules: dict) -> PyTree:
     return tree_unflatten_as(params, [sums[path] for path, _ in flatten_with_paths(params)])
 
 
-def _update(state, grads, tx, clip_grad, loss_scale, scale, group, lr_schedule, modules, cfg, normaliser, num_tokens,
-            counted, consumed, consumed_micro):
+def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens, counted,
+            consumed):
     """``make_train_step``'s update of this rank's state, with the norm and overflow flag reduced
-    over the pipeline and the loss metrics sent from the last stage to every rank."""
+    over the pipeline and the loss metrics (``sums``: this rank's summed main and MTP token losses
+    and MTP token counts) summed from the last stage to every rank."""
+    scale = state.loss_scale.scale if loss_scale is not None else None
     paths = [path for path, _ in flatten_with_paths(grads)]
     leaves = [leaf for _, leaf in flatten_with_paths(grads)]
     found_inf = None
@@ -291,12 +351,8 @@ def _update(state, grads, tx, clip_grad, loss_scale, scale, group, lr_schedule, 
         grads, _ = clip_by_global_norm_with_norm(grads, clip_grad, norm=grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = apply_updates(state.params, updates)
-    # the last M calls: on its first step a PipelineStage also runs the forward once to infer shapes
-    outputs = [out for module in modules.values() for out in module.outputs[len(module.outputs) - consumed_micro:]]
     depths = cfg.mtp_num_layers
-    sums = torch.zeros(1 + 2 * depths, device=device)
-    for out in outputs:
-        sums = sums + torch.cat([out.loss_sum.detach().reshape(1), out.mtp_loss_sums.detach(), out.mtp_num_tokens])
+    sums = sums.clone()
     dist.all_reduce(sums, group=group)
     metrics = {"loss": sums[0] * normaliser, "grad_norm": grad_norm, "num_tokens": num_tokens}
     for k in range(depths):
