@@ -144,7 +144,8 @@ def make_pipeline_train_step(
     """Build this pipeline rank's ``step(state, batch) -> (state, metrics)`` (module docstring) for
     ``schedule`` (``lmfunc.config.pipeline.SCHEDULES``) over ``group`` (default: the world), with
     ``num_microbatches`` per step; the other arguments as ``make_train_step`` (the loss per token
-    over the whole step, as ``calculate_per_token_loss``)."""
+    over the whole step, as ``calculate_per_token_loss``). ``step.schedule()`` returns torch's
+    schedule object once the first call has built it (for benchmarks that time its stages)."""
     if cfg.scan_layers:
         raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
     check_schedule_model(schedule, cfg.tie_embeddings)
@@ -207,6 +208,7 @@ def make_pipeline_train_step(
                        counted=lambda path: path not in shared or rank == first_rank, consumed=consumed)
 
     run_update = compile_step(update, bucket_size_mb=None) if compile else update
+    step.schedule = lambda: runtime.get("schedule")  # torch's schedule object, once built (benchmarks)
     return step
 
 
