@@ -5,8 +5,9 @@ params and Adam moments agree with the one-process ones under the same names, an
 pipeline's forward-only evaluation (``make_pipeline_eval_step``) gives the one-process
 ``make_eval_step``'s loss before the first step and after the last.
 
-``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16 [COMPILE]``: VIRTUAL 0 for none; MTP, TIE,
-FP16 and COMPILE (the stages compiled; default 0) 0/1.
+``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16 [COMPILE [RECOMPUTE]]``: VIRTUAL 0 for
+none; MTP, TIE, FP16, COMPILE (the stages and the update compiled) and RECOMPUTE (full recompute and
+the output layer in chunks of 8 tokens) 0/1, the last two 0 by default.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     schedule, virtual, mtp, tie, fp16 = sys.argv[1], int(sys.argv[2]) or None, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     compiled = len(sys.argv) > 6 and bool(int(sys.argv[6]))
+    recompute = len(sys.argv) > 7 and bool(int(sys.argv[7]))
     dist.init_process_group("gloo")
     rank, pp = dist.get_rank(), dist.get_world_size()
     split = pipeline_split(8, pp=pp, schedule=schedule, virtual_stages=virtual)
     check_microbatches(schedule, split, MICROBATCHES)
-    cfg = dataclasses.replace(model_preset("tiny", num_layers=8), tie_embeddings=bool(tie), mtp_num_layers=mtp,
+    extras = {"recompute_granularity": "full", "cross_entropy_chunk_tokens": 8} if recompute else {}
+    cfg = dataclasses.replace(model_preset("tiny", num_layers=8, **extras), tie_embeddings=bool(tie), mtp_num_layers=mtp,
                               hidden_dropout=0.1)
     params = model.init(cfg, seed=0)
     tx = adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)

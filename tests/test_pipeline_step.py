@@ -2,26 +2,27 @@
 loss scales at every step and the same final params and Adam moments, per schedule
 (``tests/pipeline_worker.py`` under torchrun, gloo; fp16 to a looser tolerance, see there). The
 split-backward schedules run untied embeddings (``check_schedule_model``). The last column compiles
-the stages and the update."""
+the stages and the update; the one after it turns on full recompute and a chunked output layer."""
 
 import pytest
 
 from tests.helpers import run_torchrun
 
 
-@pytest.mark.parametrize("nproc, schedule, virtual, mtp, tie, fp16, compiled", [
-    (2, "1f1b", 0, 0, 1, 0, 0),
-    (2, "interleaved-1f1b", 2, 1, 0, 0, 0),
-    pytest.param(1, "gpipe", 0, 1, 1, 0, 0, marks=pytest.mark.slow),
-    pytest.param(2, "gpipe", 0, 1, 1, 1, 0, marks=pytest.mark.slow),
-    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 0, marks=pytest.mark.slow),
-    pytest.param(2, "zbv", 0, 1, 0, 0, 0, marks=pytest.mark.slow),
-    pytest.param(4, "1f1b", 0, 1, 1, 0, 0, marks=pytest.mark.slow),
-    pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, marks=pytest.mark.slow),
-    pytest.param(2, "1f1b", 0, 1, 1, 0, 1, marks=pytest.mark.slow),
-    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute", [
+    (2, "1f1b", 0, 0, 1, 0, 0, 0),
+    (2, "interleaved-1f1b", 2, 1, 0, 0, 0, 0),
+    (2, "gpipe", 0, 1, 1, 0, 0, 1),
+    pytest.param(1, "gpipe", 0, 1, 1, 0, 0, 0, marks=pytest.mark.slow),
+    pytest.param(2, "gpipe", 0, 1, 1, 1, 0, 0, marks=pytest.mark.slow),
+    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 0, 0, marks=pytest.mark.slow),
+    pytest.param(2, "zbv", 0, 1, 0, 0, 0, 0, marks=pytest.mark.slow),
+    pytest.param(4, "1f1b", 0, 1, 1, 0, 0, 0, marks=pytest.mark.slow),
+    pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, 0, marks=pytest.mark.slow),
+    pytest.param(2, "1f1b", 0, 1, 1, 0, 1, 0, marks=pytest.mark.slow),
+    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 1, 0, marks=pytest.mark.slow),
 ])
-def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled):
+def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute):
     proc = run_torchrun(nproc, ["-m", "tests.pipeline_worker", schedule, str(virtual), str(mtp), str(tie), str(fp16),
-                                str(compiled)])
+                                str(compiled), str(recompute)])
     assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]
