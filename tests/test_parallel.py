@@ -84,6 +84,7 @@ def test_parallel_invariance(layout, nproc, flags, tmp_path, torchrun):
     assert sharded == ("dp_shard" in layout or "tp" in layout), result["placements"]  # DDP replicates
 
 
+@pytest.mark.slow  # 3 minutes of compiling on the 2-core CI box; the bucketed dp_shard case compiles over DTensors too
 def test_compiled_step_over_dtensor_state_is_one_graph(tmp_path, torchrun):
     out = tmp_path / "result.json"
     torchrun(4, ["tests/parallel_worker.py", "dp_shard=2,tp=2", str(out), "--sp", "--compile"])

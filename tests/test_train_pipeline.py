@@ -94,3 +94,15 @@ def test_a_pp2_checkpoint_loads_equal_on_other_layouts(runs, layout, nproc, tmp_
     for name in want:
         assert torch.equal(got[name], want[name]), name
     assert int(got["step"]) == STEPS and int(got["consumed_samples"]) == 8 * STEPS
+
+
+def test_a_pp2_run_exports_to_hf_and_a_pp2_run_starts_from_the_import(runs, tmp_path):
+    """The pp2 checkpoint exports as one HF model; a pp2 run with ``--checkpoint.load-hf`` starts
+    from it (each rank keeps its leaves of the import): its first validation equals the exporting
+    run's last (the same batches)."""
+    from lmfunc.export import main as export_main
+
+    export_main(["--checkpoint", str(runs / "pp2" / "checkpoints"), "--out", str(tmp_path / "hf"), "--format", "hf"])
+    started = _train(tmp_path, "from_hf", 2, "--parallel.pp", "2", "--checkpoint.load-hf", str(tmp_path / "hf"))
+    source = _losses(runs / "pp2", "valid")
+    assert _losses(started, "valid")[0] == pytest.approx(source[STEPS], rel=1e-6)

@@ -39,7 +39,7 @@ from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
 from lmfunc.train.params import initial_params
-from lmfunc.train.pipeline_run import gather_pipeline_params, init_rank_params, pipeline_rank
+from lmfunc.train.pipeline_run import gather_pipeline_params, initial_rank_params, pipeline_rank
 from lmfunc.train.pipeline_step import compiles_stages, make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.train.profiling import StepProfiler
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
@@ -206,7 +206,7 @@ class _Run:
                      if cfg.optim.decoupled_lr is not None else None)
         self.pipe = pipe = pipeline_rank(cfg, self.layout)
         if pipe is not None:
-            params = init_rank_params(cfg.model, pipe, cfg.run.seed, device)
+            params = initial_rank_params(cfg, pipe, device, resuming=self.paths.load_step is not None)
         else:
             params = initial_params(cfg, self.layout, resuming=self.paths.load_step is not None)
         tx = build_optimizer(cfg, schedule, params, decoupled)

@@ -22,7 +22,7 @@ from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
 from lmfunc.parallel.mesh import Layout
 from lmfunc.train.pipeline_step import rank_params
-from lmfunc.tree import PyTree, flatten_with_paths, tree_map_with_path, tree_unflatten_as
+from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path, tree_unflatten_as
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,18 @@ def init_rank_params(cfg: ModelConfig, pipe: PipelineRank, seed: int, device: to
     specs = rank_params(gpt.param_specs(cfg), cfg, pipe.split, pipe.rank)
     return tree_map_with_path(lambda path, spec: gpt.init_leaf(spec, path, cfg, seed, torch.float32).to(device),
                               specs, is_leaf=_is_spec)
+
+
+def initial_rank_params(cfg: TrainConfig, pipe: PipelineRank, device: torch.device, resuming: bool) -> PyTree:
+    """This rank's part of the run's initial parameters: imported from ``checkpoint.load_hf``
+    (unless the run resumes from its own checkpoint; every rank reads the files and keeps its
+    leaves), else freshly drawn (``init_rank_params``)."""
+    if cfg.checkpoint.load_hf is not None and not resuming:
+        from lmfunc.checkpoint.hf import load_llama
+
+        part = rank_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, pipe.split, pipe.rank)
+        return tree_map(lambda leaf: leaf.to(device), part)
+    return init_rank_params(cfg.model, pipe, cfg.run.seed, device)
 
 
 def gather_pipeline_params(params: PyTree, cfg: ModelConfig, pipe: PipelineRank, device: torch.device) -> PyTree:
