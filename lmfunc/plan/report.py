@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from lmfunc.config.train import TrainConfig
@@ -24,7 +24,7 @@ class Plan:
     """None when the run is not trainable yet (``untrainable``) or lmfunc's prediction does not model
     its layout (``unpredicted``)."""
     untrainable: list[str]
-    unpredicted: list[str] = ()
+    unpredicted: list[str] = field(default_factory=list)
 
     @property
     def flops_per_token(self) -> float:
