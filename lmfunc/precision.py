@@ -18,6 +18,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor, Partial
 from torch.utils._pytree import register_dataclass
 
 from lmfunc.tree import PyTree, tree_leaves, tree_map
@@ -121,9 +122,17 @@ def update_loss_scale(state: LossScale, found_inf: torch.Tensor, cfg: LossScaleC
 
 
 def all_finite(tree: PyTree) -> torch.Tensor:
-    """A bool scalar: every element of every leaf is finite (one reduction per leaf)."""
-    flags = [torch.isfinite(leaf).all() for leaf in tree_leaves(tree)]
-    return torch.stack(flags).all()
+    """A bool scalar, equal on every rank: every element of every leaf is finite (one reduction per
+    leaf). DTensor leaves are checked on their local shards, and the flag is reduced over their
+    meshes (a maximum of the overflow flag): DTensor's own reductions of mixed placements fail
+    (a ``Partial(product)`` flag cannot meet a replicated one)."""
+    leaves = tree_leaves(tree)
+    local = [leaf.to_local() if isinstance(leaf, DTensor) else leaf for leaf in leaves]
+    overflow = (~torch.stack([torch.isfinite(leaf).all() for leaf in local]).all()).to(torch.float32)
+    meshes = {leaf.device_mesh for leaf in leaves if isinstance(leaf, DTensor)}
+    for mesh in meshes:
+        overflow = DTensor.from_local(overflow, mesh, [Partial("max")] * mesh.ndim, run_check=False).full_tensor()
+    return overflow == 0
 
 
 def select_tree(pred: torch.Tensor, on_true: PyTree, on_false: PyTree) -> PyTree:

@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node N tests/checkpoint_worker.py STEP_DIR LAYOUT OUT.pt
     LAYOUT: "single" or comma-separated mesh sizes, e.g. "tp=2" or "dp_shard=2,tp=2"; with "pp=N"
-    (alone) each pipeline rank loads its part and the parts are gathered.
+    (possibly beside other sizes, "pp=2,tp=2") each pipeline rank loads its part and the parts are
+    gathered.
 """
 
 import sys
@@ -40,7 +41,7 @@ def main(step_dir: str, layout: str, out: str) -> None:
     state = load_tree(fresh, step_dir, allow_unused=pipe is not None)
     if pipe is not None:
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, dict(flatten_with_paths(state)))
+        dist.all_gather_object(parts, dict(flatten_with_paths(full_tensors(state))))
         full = {path: leaf for part in parts for path, leaf in part.items()}
     else:
         full = dict(flatten_with_paths(full_tensors(state)))

@@ -32,3 +32,19 @@ def tiny_state():
         return TrainState.create(model.init(model_preset("tiny"), seed=0), tx, loss_scale=loss_scale)
 
     return make
+
+
+SLOW_DEADLINE = "LMFUNC_SLOW_TESTS_UNTIL"
+"""Environment variable: a Unix time after which no further slow test starts (``.ci/run`` sets it so
+the slow tests end inside CI's 90-minute budget). Each test not started is reported as skipped with
+the reason, in pytest's summary."""
+
+
+def pytest_runtest_setup(item):
+    deadline = os.environ.get(SLOW_DEADLINE)
+    if deadline and item.get_closest_marker("slow") is not None:
+        import time
+
+        if time.time() > float(deadline):
+            pytest.skip(f"CI time budget spent ({SLOW_DEADLINE}): slow test not started; run `python -m pytest "
+                        f"-m slow` to run it")

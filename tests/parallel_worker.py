@@ -1,10 +1,11 @@
 """One multi-rank parity run, launched by tests/test_parallel.py with torchrun.
 
-Usage: torchrun --nproc-per-node N tests/parallel_worker.py LAYOUT OUT.json [--compile] [--sp] [--mtp]
+Usage: torchrun --nproc-per-node N tests/parallel_worker.py LAYOUT OUT.json [--compile] [--sp] [--mtp] [--fp16]
 LAYOUT is e.g. ``dp_shard=2`` or ``dp_shard=2,tp=2``. Trains the tiny model (with one MTP depth
 and fp32) for 5 steps on the mesh and, in the same process, on plain tensors; rank 0 writes the
 per-step losses, the initial and final parameter errors (per-leaf relative L2), graph counts and,
-compiled, the collectives one more step issues.
+compiled, the collectives one more step issues. ``--fp16`` computes in fp16 with dynamic loss
+scaling on both sides.
 """
 
 import dataclasses
@@ -21,6 +22,7 @@ from lmfunc.config import model_preset
 from lmfunc.optim import adamw
 from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
 from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor
+from lmfunc.precision import LossScaleConfig
 from lmfunc.train.params import init_params
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import flatten_with_paths
@@ -41,10 +43,13 @@ def main() -> None:
     layout = build_mesh(sizes)
     cfg = dataclasses.replace(model_preset("tiny"), mtp_num_layers=int("--mtp" in sys.argv), sequence_parallel=sp)
     tx = adamw(1e-3, weight_decay=0.1)
+    fp16 = "--fp16" in sys.argv
+    precision = {"compute_dtype": torch.float16, "loss_scale": LossScaleConfig(initial_scale=2.0**15)} if fp16 else {}
+    scaling = precision.get("loss_scale")
     batches = [lm_batch(cfg.vocab_size, microbatches=2, batch=4, seq=16, seed=i) for i in range(5)]
 
-    reference = TrainState.create(model.init(cfg, seed=0), tx)
-    reference_step = make_train_step(cfg, tx, compile=False)
+    reference = TrainState.create(model.init(cfg, seed=0), tx, loss_scale=scaling)
+    reference_step = make_train_step(cfg, tx, compile=False, **precision)
     reference_losses = []
     for batch in batches:
         reference, metrics = reference_step(reference, batch)
@@ -52,8 +57,8 @@ def main() -> None:
 
     params = init_params(cfg, layout.mesh, seed=0)
     init_error = relative_errors(full_tensors(params), model.init(cfg, seed=0))
-    step = make_train_step(cfg, tx, compile=compiled)  # Inductor with lmfunc's passes, collective bucketing included
-    state = TrainState.create(params, tx)
+    step = make_train_step(cfg, tx, compile=compiled, **precision)  # Inductor with lmfunc's passes, bucketing included
+    state = TrainState.create(params, tx, loss_scale=scaling)
     dp, rank = layout.data_parallel_size, data_parallel_rank(layout)
     torch._dynamo.utils.counters.clear()
     losses = []

@@ -62,6 +62,7 @@ LAYOUTS = [
     ("tp=2", 2, ["--sp"]),
     ("dp_shard=2,tp=2", 4, ["--sp"]),
     ("dp_replicate=2,dp_shard=2", 4, ["--mtp"]),
+    ("tp=2", 2, ["--sp", "--fp16"]),
 ]
 COMPILED_LAYOUTS = [("dp_replicate=2,dp_shard=2", 4, ["--mtp", "--compile"])]
 """Slow: the compiled step with the collective pass (HSDP's swapped reductions) and MTP's custom gradient."""
@@ -72,14 +73,17 @@ COMPILED_LAYOUTS = [("dp_replicate=2,dp_shard=2", 4, ["--mtp", "--compile"])]
                          ids=[f"{l}{''.join(f)}" for l, _, f in LAYOUTS + COMPILED_LAYOUTS])
 def test_parallel_invariance(layout, nproc, flags, tmp_path, torchrun):
     """5 steps on the mesh equal 5 steps on one process: every loss, the final params and Adam moments
-    (fp32, relative 1e-5); the mesh's initial params equal the single-process init exactly."""
+    (fp32, relative 1e-5; fp16 with dynamic loss scaling, whose overflow check reduces a flag over
+    the mesh, to its 16-bit rounding: 5e-4 and 5e-3); the mesh's initial params equal the
+    single-process init exactly."""
     out = tmp_path / "result.json"
     torchrun(nproc, ["tests/parallel_worker.py", layout, str(out), *flags])
     result = json.loads(out.read_text())
     assert result["init_error"] == 0.0
+    loss_tolerance, leaf_tolerance = (5e-4, 5e-3) if "--fp16" in flags else (1e-5, 1e-5)
     for got, want in zip(result["losses"], result["reference_losses"]):
-        assert got == pytest.approx(want, rel=1e-5)
-    assert result["final_error"] < 1e-5 and result["moment_error"] < 1e-5, result
+        assert got == pytest.approx(want, rel=loss_tolerance)
+    assert result["final_error"] < leaf_tolerance and result["moment_error"] < leaf_tolerance, result
     sharded = any("Shard" in p for p in result["placements"])
     assert sharded == ("dp_shard" in layout or "tp" in layout), result["placements"]  # DDP replicates
 

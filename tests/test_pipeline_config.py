@@ -84,9 +84,7 @@ def test_train_config_validation_applies_the_pipeline_rules():
     with pytest.raises(ConfigError, match="set --parallel.pp to 2 or more"):
         cfg(ParallelConfig(pp_first_stage_layers=1), 8).validate(1, planning=True)
     assert cfg(ParallelConfig(pp=2), 8).validate(2).parallel.pp == 2
-    with pytest.raises(ConfigError, match=r"parallel.pp = 2 with dp_shard = 2 \(the trainer runs pp alone\): not "
-                                          "implemented"):
-        cfg(ParallelConfig(pp=2, dp_shard=2), 8).validate(4)
+    assert cfg(ParallelConfig(pp=2, dp_shard=2, tp=2), 16).validate(8).parallel.tp == 2
     ramp = TrainConfig(model=model_preset("tiny", num_layers=4), data=DataConfig(seq_length=16),
                        parallel=ParallelConfig(pp=2),
                        run=RunConfig(micro_batch_size=2, global_batch_size=8, train_iters=None, train_samples=100,

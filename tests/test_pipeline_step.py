@@ -1,28 +1,36 @@
 """``lmfunc.train.pipeline_step`` against the one-process step: the same losses, gradient norms and
 loss scales at every step and the same final params and Adam moments, per schedule
 (``tests/pipeline_worker.py`` under torchrun, gloo; fp16 to a looser tolerance, see there). The
-split-backward schedules run untied embeddings (``check_schedule_model``). The last column compiles
-the stages and the update; the one after it turns on full recompute and a chunked output layer."""
+split-backward schedules run untied embeddings (``check_schedule_model``). ``compiled``
+compiles the stages and the update; ``recompute`` turns on full recompute and a chunked output
+layer; ``mesh`` ("DP_SHARD TP SP") puts the pipeline beside dp_shard and/or tp (pp 2 x 2 on 4 ranks, pp 2 x 2 x 2 on 8),
+where the reference is the same layout without the pipeline."""
 
 import pytest
 
 from tests.helpers import run_torchrun
 
 
-@pytest.mark.parametrize("nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute", [
-    (2, "1f1b", 0, 0, 1, 0, 0, 0),
-    (2, "interleaved-1f1b", 2, 1, 0, 0, 0, 0),
-    (2, "gpipe", 0, 1, 1, 0, 0, 1),
-    pytest.param(1, "gpipe", 0, 1, 1, 0, 0, 0, marks=pytest.mark.slow),
-    pytest.param(2, "gpipe", 0, 1, 1, 1, 0, 0, marks=pytest.mark.slow),
-    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 0, 0, marks=pytest.mark.slow),
-    pytest.param(2, "zbv", 0, 1, 0, 0, 0, 0, marks=pytest.mark.slow),
-    pytest.param(4, "1f1b", 0, 1, 1, 0, 0, 0, marks=pytest.mark.slow),
-    pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, 0, marks=pytest.mark.slow),
-    pytest.param(2, "1f1b", 0, 1, 1, 0, 1, 0, marks=pytest.mark.slow),
-    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 1, 0, marks=pytest.mark.slow),
+@pytest.mark.parametrize("nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute, mesh", [
+    (2, "1f1b", 0, 0, 1, 0, 0, 0, ""),
+    (2, "interleaved-1f1b", 2, 1, 0, 0, 0, 0, ""),
+    (2, "gpipe", 0, 1, 1, 0, 0, 1, ""),
+    (4, "1f1b", 0, 1, 1, 0, 0, 0, "2 1 0"),
+    (4, "gpipe", 0, 1, 1, 0, 0, 0, "1 2 1"),
+    pytest.param(1, "gpipe", 0, 1, 1, 0, 0, 0, "", marks=pytest.mark.slow),
+    pytest.param(2, "gpipe", 0, 1, 1, 1, 0, 0, "", marks=pytest.mark.slow),
+    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 0, 0, "", marks=pytest.mark.slow),
+    pytest.param(2, "zbv", 0, 1, 0, 0, 0, 0, "", marks=pytest.mark.slow),
+    pytest.param(4, "1f1b", 0, 1, 1, 0, 0, 0, "", marks=pytest.mark.slow),
+    pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, 0, "", marks=pytest.mark.slow),
+    pytest.param(2, "1f1b", 0, 1, 1, 0, 1, 0, "", marks=pytest.mark.slow),
+    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 1, 0, "", marks=pytest.mark.slow),
+    pytest.param(4, "interleaved-1f1b", 2, 1, 0, 0, 0, 0, "2 1 0", marks=pytest.mark.slow),
+    pytest.param(4, "gpipe", 0, 1, 1, 1, 0, 0, "1 2 0", marks=pytest.mark.slow),
+    pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "2 1 0", marks=pytest.mark.slow),
+    pytest.param(8, "1f1b", 0, 1, 1, 0, 0, 0, "2 2 1", marks=pytest.mark.slow),
 ])
-def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute):
+def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute, mesh):
     proc = run_torchrun(nproc, ["-m", "tests.pipeline_worker", schedule, str(virtual), str(mtp), str(tie), str(fp16),
-                                str(compiled), str(recompute)])
+                                str(compiled), str(recompute), *mesh.split()])
     assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]

@@ -77,10 +77,8 @@ def test_pipeline_parallel_is_planned_with_megatrons_formulas():
     assert cfg.validate(2).parallel.pp == 2
     with_fsdp = cfg.replace(parallel=ParallelConfig(pp=2, dp_shard=2))
     plan = plan_of(with_fsdp, 4)
-    assert plan.untrainable == ["parallel.pp = 2 with dp_shard = 2 (the trainer runs pp alone)"]
-    assert "not trainable yet (parallel.pp = 2 with dp_shard = 2" in format_plan(plan)
-    with pytest.raises(ConfigError, match=r"parallel\.pp = 2 with dp_shard = 2 .*: not implemented .*lmfunc\.plan"):
-        with_fsdp.validate(4)
+    assert plan.untrainable == [] and plan.unpredicted == ["parallel.pp = 2"]
+    assert with_fsdp.validate(4).parallel.dp_shard == 2
 
 
 def test_moe_counts_and_flops():

@@ -1,6 +1,7 @@
 """``python -m lmfunc.train`` with ``--parallel.pp`` (torchrun, gloo): the pipeline run trains and
-evaluates like one process, resumes exactly from its own checkpoint, and its checkpoint loads on
-other pp sizes and on one process, equal to the consolidated state."""
+evaluates like one process, alone and beside dp_shard or tp, resumes exactly from its own
+checkpoint, and its checkpoint loads on other layouts and on one process, equal to the
+consolidated state."""
 
 import os
 
@@ -38,14 +39,39 @@ def runs(tmp_path_factory):
     return root
 
 
-def test_pp2_trains_and_evaluates_like_one_process(runs):
+def _assert_like_one_process(runs, run_dir) -> None:
     for kind in ("train", "valid"):
-        want, got = _losses(runs / "single", kind), _losses(runs / "pp2", kind)
+        want, got = _losses(runs / "single", kind), _losses(run_dir, kind)
         assert sorted(got) == sorted(want) and len(want) >= (STEPS if kind == "train" else 3)
         for step, loss in want.items():
             assert got[step] == pytest.approx(loss, rel=1e-5), (kind, step)
-    log = read_log(str(runs / "pp2" / "log.jsonl"))
+    log = read_log(str(run_dir / "log.jsonl"))
     assert log[-1]["kind"] == "end" and log[-1]["exit_reason"] == "train_iters"
+
+
+def test_pp2_trains_and_evaluates_like_one_process(runs):
+    _assert_like_one_process(runs, runs / "pp2")
+
+
+@pytest.fixture(scope="module")
+def pp2_dp2(runs):
+    """pp = 2 beside dp_shard = 2 (4 ranks; each pipeline rank's leaves FSDP-sharded, each data-parallel
+    rank loading its half of every microbatch), 6 steps with checkpoints at 3 and 6."""
+    return _train(runs, "pp2_dp2", 4, "--parallel.pp", "2", "--parallel.dp-shard", "2")
+
+
+def test_pp2_beside_dp_shard2_trains_like_one_process(runs, pp2_dp2):
+    _assert_like_one_process(runs, runs / "pp2_dp2")
+
+
+def test_a_pp2_dp_shard2_checkpoint_continues_on_pp2_tp2_with_sequence_parallelism(runs, pp2_dp2, tmp_path):
+    continued = _train(tmp_path, "continued", 4, "--parallel.pp", "2", "--parallel.tp", "2",
+                       "--model.sequence-parallel", "--checkpoint.load", str(runs / "pp2_dp2" / "checkpoints"),
+                       "--checkpoint.load-step", "3")
+    want, got = _losses(runs / "single"), _losses(continued)
+    assert sorted(got) == list(range(4, STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(want[step], rel=1e-5), step
 
 
 @pytest.mark.slow
@@ -84,7 +110,8 @@ def test_a_pp2_checkpoint_continues_on_another_pp_size(runs, tmp_path, nproc, fl
         assert loss == pytest.approx(want[step], rel=1e-5), step
 
 
-@pytest.mark.parametrize("layout, nproc", [("single", 1), pytest.param("pp=4", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout, nproc", [("single", 1), ("pp=2,tp=2", 4),
+                                           pytest.param("pp=4", 4, marks=pytest.mark.slow)])
 def test_a_pp2_checkpoint_loads_equal_on_other_layouts(runs, layout, nproc, tmp_path):
     step_dir = str(runs / "pp2" / "checkpoints" / "iter_0000006")
     run_torchrun(2, ["tests/checkpoint_worker.py", step_dir, "pp=2", str(tmp_path / "pp2.pt")])

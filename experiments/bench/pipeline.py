@@ -36,7 +36,8 @@ from lmfunc.config import model_preset
 from lmfunc.config.pipeline import check_microbatches, pipeline_split
 from lmfunc.optim import adamw
 from lmfunc.train import TrainState
-from lmfunc.train.pipeline_step import make_pipeline_train_step, rank_params
+from lmfunc.train.pipeline_step import make_pipeline_train_step
+from lmfunc.train.pipeline_stages import rank_params
 from tests.helpers import lm_batch
 
 WORKLOAD = {"num_layers": 8, "hidden_size": 128, "seq": 128, "micro_batch": 2}

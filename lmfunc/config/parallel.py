@@ -67,8 +67,8 @@ class ParallelConfig:
     """Tensor-parallel size (attention heads, MLP width and vocabulary split; see model.sequence_parallel)."""
     pp: int = 1
     """Pipeline-parallel size: stages of consecutive layers on successive ranks, run by torch's
-    pipeline schedules (``lmfunc.train.pipeline_step``). The trainer runs pp alone (every other
-    size 1); ``python -m lmfunc.plan`` plans it with any layout."""
+    pipeline schedules (``lmfunc.train.pipeline_step``), beside dp_replicate, dp_shard and tp (each
+    pipeline rank's leaves sharded over those dims as without a pipeline)."""
     cp: int = 1
     """Context-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
     ep: int = 1

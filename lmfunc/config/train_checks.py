@@ -152,9 +152,6 @@ def untrainable_features(cfg: TrainConfig) -> list[str]:
     with its value (empty when the run is trainable)."""
     p, m = cfg.parallel, cfg.model
     found = [f"parallel.{name} = {getattr(p, name)}" for name in ("cp", "ep") if getattr(p, name) != 1]
-    others = [f"{name} = {getattr(p, name)}" for name in ("dp_replicate", "dp_shard", "tp") if getattr(p, name) != 1]
-    if p.pp != 1 and others:
-        found.append(f"parallel.pp = {p.pp} with {', '.join(others)} (the trainer runs pp alone)")
     if m.num_experts is not None:
         found.append(f"model.num_experts = {m.num_experts} (MoE)")
     if m.multi_latent_attention:
@@ -170,7 +167,7 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     if not planning:
         missing = untrainable_features(cfg)
         _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
-                              "lmfunc.plan plans such runs); dp_replicate, dp_shard and tp are")
+                              "lmfunc.plan plans such runs); dp_replicate, dp_shard, tp and pp are")
     _require(not cfg.model.scan_layers or world_size == 1,
              f"model.scan_layers runs on one process only (this run has {world_size}): torch's scan does "
              "not take the DTensor parameters of a parallel layout yet; turn it off (--model.no-scan-layers) "

@@ -240,15 +240,16 @@ class _Run:
 
     def _set_up_pipeline_steps(self, tx, schedule, loss_scale, dtype) -> None:
         """The pipeline rank's train and eval steps (``lmfunc.train.pipeline_step``): torch's schedule
-        over this rank's stages, every rank loading the whole batch."""
+        over this rank's stages, every rank loading its data-parallel part of the batch."""
         cfg, pipe, device = self.cfg, self.pipe, self.layout.device
         microbatches = self.plan.num_microbatches_at(0)
         compile = cfg.run.compile
         self.train_step = make_pipeline_train_step(
-            cfg.model, tx, pipe.split, pipe.schedule, microbatches, pipe.group, clip_grad=cfg.optim.clip_grad,
-            lr_schedule=schedule, compute_dtype=dtype, loss_scale=loss_scale, device=device, compile=compile)
-        self.eval_step = make_pipeline_eval_step(cfg.model, pipe.split, pipe.schedule, microbatches, pipe.group,
-                                                 compute_dtype=dtype, device=device, compile=compile)
+            cfg.model, tx, pipe.split, pipe.schedule, microbatches, clip_grad=cfg.optim.clip_grad,
+            lr_schedule=schedule, compute_dtype=dtype, loss_scale=loss_scale, device=device, compile=compile,
+            mesh=pipe.mesh)
+        self.eval_step = make_pipeline_eval_step(cfg.model, pipe.split, pipe.schedule, microbatches,
+                                                 compute_dtype=dtype, device=device, compile=compile, mesh=pipe.mesh)
         self.logger.echo(f"pipeline: {pipe.schedule} over pp {pipe.split.pp} ({pipe.split.num_stages} stages, "
                          f"{microbatches} microbatches per step); rank 0 runs "
                          + ", ".join(f"stage {s}: layers {list(pipe.split.layers[s])}"

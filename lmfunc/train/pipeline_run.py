@@ -2,10 +2,11 @@
 its part of the initial parameters, and the whole tree gathered back for the final weights and the
 sample.
 
-The trainer runs ``parallel.pp > 1`` alone (every other mesh size 1): every process is one pipeline
-rank, the mesh has the single dim ``pp``, and each rank's state is its part of the parameter tree
-(``rank_params``: plain tensors under the model-wide names). A checkpoint holds every rank's leaves
-under those names, so it loads on any other pp size, or on one process.
+Every process is one pipeline rank, and its state is its part of the parameter tree
+(``rank_params``, under the model-wide names). With ``pp`` alone those leaves are plain tensors;
+with data- or tensor-parallel dims beside ``pp`` they are DTensors on those dims (``data_mesh``),
+sharded by the same rules as without a pipeline. A checkpoint holds every rank's leaves under the
+model-wide names, so it loads on any other layout, or on one process.
 """
 
 from __future__ import annotations
@@ -15,25 +16,30 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import PipelineSplit, pipeline_split
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
 from lmfunc.parallel.mesh import Layout
-from lmfunc.train.pipeline_step import rank_params
+from lmfunc.parallel.sharding import full_tensors, init_sharded, shard_params
+from lmfunc.train.pipeline_stages import rank_params
 from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path, tree_unflatten_as
 
 
 @dataclass(frozen=True)
 class PipelineRank:
     """This process's place in the pipeline: the split, the schedule, the pipeline process group
-    and its rank in it."""
+    and its rank in it, the run's mesh (with its ``pp`` dim) and the data- and tensor-parallel
+    mesh beside ``pp`` that this rank's leaves live on (None with ``pp`` alone)."""
 
     split: PipelineSplit
     schedule: str
     group: dist.ProcessGroup
     rank: int
+    mesh: DeviceMesh
+    data_mesh: Optional[DeviceMesh]
 
 
 def pipeline_rank(cfg: TrainConfig, layout: Layout) -> Optional[PipelineRank]:
@@ -43,7 +49,9 @@ def pipeline_rank(cfg: TrainConfig, layout: Layout) -> Optional[PipelineRank]:
     p = cfg.parallel
     split = pipeline_split(cfg.model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
                            p.pp_last_stage_layers)
-    return PipelineRank(split, p.pp_schedule, layout.mesh.get_group("pp"), layout.mesh.get_local_rank("pp"))
+    others = tuple(name for name in layout.dims() if name != "pp")
+    return PipelineRank(split, p.pp_schedule, layout.mesh.get_group("pp"), layout.mesh.get_local_rank("pp"),
+                        layout.mesh, layout.mesh[others] if others else None)
 
 
 def _is_spec(x) -> bool:
@@ -52,10 +60,16 @@ def _is_spec(x) -> bool:
 
 def init_rank_params(cfg: ModelConfig, pipe: PipelineRank, seed: int, device: torch.device) -> PyTree:
     """This rank's part of ``model.init(cfg, seed)`` on ``device``, drawing only its own leaves
-    (each leaf has its own generator, so the values equal the whole tree's)."""
+    (each leaf has its own generator, so the values equal the whole tree's), sharded on
+    ``pipe.data_mesh`` when there is one."""
     specs = rank_params(gpt.param_specs(cfg), cfg, pipe.split, pipe.rank)
-    return tree_map_with_path(lambda path, spec: gpt.init_leaf(spec, path, cfg, seed, torch.float32).to(device),
-                              specs, is_leaf=_is_spec)
+
+    def make(path: str, spec) -> torch.Tensor:
+        return gpt.init_leaf(spec, path, cfg, seed, torch.float32).to(device)
+
+    if pipe.data_mesh is not None:
+        return init_sharded(specs, make, pipe.data_mesh)
+    return tree_map_with_path(make, specs, is_leaf=_is_spec)
 
 
 def initial_rank_params(cfg: TrainConfig, pipe: PipelineRank, device: torch.device, resuming: bool) -> PyTree:
@@ -66,15 +80,20 @@ def initial_rank_params(cfg: TrainConfig, pipe: PipelineRank, device: torch.devi
         from lmfunc.checkpoint.hf import load_llama
 
         part = rank_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, pipe.split, pipe.rank)
-        return tree_map(lambda leaf: leaf.to(device), part)
+        part = tree_map(lambda leaf: leaf.to(device), part)
+        if pipe.data_mesh is not None:
+            axes = rank_params(gpt.param_axes(cfg.model), cfg.model, pipe.split, pipe.rank)
+            return shard_params(part, axes, pipe.data_mesh)
+        return part
     return init_rank_params(cfg.model, pipe, cfg.run.seed, device)
 
 
 def gather_pipeline_params(params: PyTree, cfg: ModelConfig, pipe: PipelineRank, device: torch.device) -> PyTree:
     """The whole parameter tree on every rank, from each rank's part ``params`` (a collective: each
-    leaf is broadcast from the lowest pipeline rank that holds it)."""
+    leaf is broadcast from the lowest pipeline rank that holds it; DTensor leaves are gathered
+    first)."""
     whole = gpt.param_shapes(cfg)
-    mine = dict(flatten_with_paths(params))
+    mine = dict(flatten_with_paths(full_tensors(params)))
     owners: dict[str, int] = {}
     for rank in reversed(range(pipe.split.pp)):
         for path, _ in flatten_with_paths(rank_params(whole, cfg, pipe.split, rank)):

@@ -4,13 +4,22 @@ gradient norm and the overflow flag reduced over the pipeline.
 
 ``make_pipeline_train_step(...)(state, batch) -> (state, metrics)`` keeps the functional
 signature: ``state.params`` is this rank's part of the parameter tree (the union of its stages'
-``stage_params``, model-wide names), and every rank gets the whole batch ``[M, B, S]``.
+``stage_params``, model-wide names), and every rank gets its data-parallel part of the batch
+``[M, B, S]`` (all of it without data parallelism).
 
 - **Data.** The first stage takes the tokens; every stage takes ``position_ids`` and ``doc_ids``
   (RoPE and the document mask are computed on each stage) and its microbatch's dropout seed; the
   last stage takes the labels, the loss mask and, with MTP, the tokens. torch's schedules split
-  keyword arguments into microbatches and give them to every stage, so every rank loads the whole
-  batch: a few integer tensors (Megatron's middle stages load nothing).
+  keyword arguments into microbatches and give them to every stage, so every rank loads its whole
+  part of the batch: a few integer tensors (Megatron's middle stages load nothing).
+- **Beside data and tensor parallelism** (``mesh``). Each pipeline rank's leaves are DTensors on
+  the mesh's other dims, sharded by the same rules as without a pipeline. Stages pass plain local
+  tensors (``stage_placements``: the batch split over the data-parallel dims; with sequence
+  parallelism the hidden states also split along the sequence over ``tp``), and each stage makes
+  them DTensors again, so the model code is unchanged and DTensor's autograd does the FSDP
+  reduce-scatters and the tensor-parallel reductions inside each stage's backward. The pipeline
+  group is the mesh's ``pp`` dim, and the embedding group pairs the first and the last stage at
+  each data- and tensor-parallel coordinate.
 - **Loss.** The last stage computes ``lm_loss_of_hidden`` and returns its microbatch's share of
   the step's objective, already divided by the step's token count and multiplied by the loss
   scale, so the schedule must not rescale: ``scale_grads=False``.
@@ -35,95 +44,23 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import pipelining
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSplit, check_schedule_model
-from lmfunc.compiler.compiling import compile_settings, compile_step, with_own_code
-from lmfunc.loss import LossOutput, lm_loss_of_hidden
+from lmfunc.compiler.compiling import compile_settings, compile_step
+from lmfunc.loss import lm_loss_of_hidden
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
-from lmfunc.precision import LossScaleConfig, all_finite, cast_params
-from lmfunc.train.pipeline_stages import shared_leaves, stage_forward, stage_params
+from lmfunc.parallel.sharding import local_batch_to_dtensor, match_placements
+from lmfunc.precision import LossScaleConfig, all_finite
+from lmfunc.train.pipeline_stages import StageModule, shared_leaves, stage_params
 from lmfunc.train.state import TrainState
 from lmfunc.train.step import Batch, Metrics, microbatch_seed, check_batch, skip_on_overflow
 from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
-
-
-def rank_params(params: PyTree, cfg: ModelConfig, split: PipelineSplit, rank: int) -> PyTree:
-    """The part of the full (unstacked) parameter tree that pipeline rank ``rank`` holds: the union
-    of its stages' ``stage_params``."""
-    merged: dict = {}
-    for stage in split.stages_of_rank(rank):
-        for key, value in stage_params(params, cfg, split, stage).items():
-            merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
-    return merged
-
-
-class _StageModule(nn.Module):
-    """One stage for torch's ``PipelineStage``: its leaves as parameters (rebound to the state's
-    tensors each step) and ``stage_forward``; on the last stage also the loss, whose per-microbatch
-    ``LossOutput`` it records for the step's metrics. With ``compile`` the stage's function is
-    compiled (``torch.compile``, Inductor): AOTAutograd compiles its backward with it."""
-
-    def __init__(self, template: PyTree, cfg: ModelConfig, split: PipelineSplit, stage: int,
-                 compute_dtype: torch.dtype, objective: Callable, compile: bool) -> None:
-        super().__init__()
-        self.template, self.cfg, self.split, self.stage = template, cfg, split, stage
-        self.paths = [path for path, _ in flatten_with_paths(template)]
-        self.weights = nn.ParameterList(nn.Parameter(leaf.detach(), requires_grad=leaf.is_floating_point())
-                                        for _, leaf in flatten_with_paths(template))
-        self.compute_dtype, self.objective, self.outputs = compute_dtype, objective, []
-        self.grad_scale: Optional[torch.Tensor] = None
-        self.run = self._run
-        if compile:
-            self.run = torch.compile(with_own_code(_stage_function(self)), fullgraph=True, dynamic=False)
-
-    def bind(self, params: PyTree, grad_scale: Optional[torch.Tensor] = None) -> None:
-        """Use ``params`` (this stage's subtree) for the next step, whose objective is multiplied by
-        ``grad_scale``. The parameter objects stay (torch's schedules hold them: zero bubble computes
-        weight gradients from ``parameters()``); their data becomes the state's tensors (no copy)
-        and their gradients are cleared."""
-        for weight, (_, leaf) in zip(self.weights, flatten_with_paths(params)):
-            weight.data, weight.grad = leaf.detach(), None
-        self.outputs, self.grad_scale = [], grad_scale
-
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.weights]
-
-    def forward(self, x, position_ids, seed, doc_ids=None, labels=None, loss_mask=None, tokens=None):
-        result = self.run(list(self.weights), x, position_ids, seed, doc_ids, labels, loss_mask, tokens,
-                          self.grad_scale)
-        if not self.split.holds_head(self.stage):
-            return result
-        value, *out = result
-        self.outputs.append(LossOutput(*out))
-        return value
-
-    def _run(self, weights, x, position_ids, seed, doc_ids, labels, loss_mask, tokens, grad_scale):
-        """The stage's hidden states ``[B, S, h]``, or on the last stage the tuple (objective,
-        ``LossOutput``'s fields)."""
-        params = cast_params(tree_unflatten_as(self.template, weights), self.compute_dtype)
-        dropout_seed = seed[0] if seed.numel() else None
-        hidden = stage_forward(params, x, self.cfg, self.split, self.stage, position_ids, doc_ids, dropout_seed)
-        if not self.split.holds_head(self.stage):
-            return hidden
-        micro = {"tokens": tokens, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
-        if loss_mask is not None:
-            micro["loss_mask"] = loss_mask
-        micro = {k: v for k, v in micro.items() if v is not None}
-        value, out = self.objective(params, hidden, micro, dropout_seed, grad_scale)
-        return (value, *out)
-
-
-def _stage_function(module: _StageModule) -> Callable:
-    """``module._run`` as a plain function (what ``with_own_code`` copies for ``torch.compile``)."""
-
-    def run(weights, x, position_ids, seed, doc_ids, labels, loss_mask, tokens, grad_scale):
-        return module._run(weights, x, position_ids, seed, doc_ids, labels, loss_mask, tokens, grad_scale)
-
-    return run
 
 
 def make_pipeline_train_step(
@@ -140,16 +77,22 @@ def make_pipeline_train_step(
     loss_scale: Optional[LossScaleConfig] = None,
     device: torch.device = torch.device("cpu"),
     compile: bool = False,
+    mesh: Optional[DeviceMesh] = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build this pipeline rank's ``step(state, batch) -> (state, metrics)`` (module docstring) for
     ``schedule`` (``lmfunc.config.pipeline.SCHEDULES``) over ``group`` (default: the world), with
     ``num_microbatches`` per step; the other arguments as ``make_train_step`` (the loss per token
     over the whole step, as ``calculate_per_token_loss``). ``step.schedule()`` returns torch's
-    schedule object once the first call has built it (for benchmarks that time its stages)."""
+    schedule object once the first call has built it (for benchmarks that time its stages).
+
+    ``mesh``: the run's mesh, a ``pp`` dim with data- and tensor-parallel dims beside it (instead of
+    ``group``). The state's leaves are then DTensors on the other dims (``data_mesh``), the batch is
+    this rank's data-parallel part ``[M, B / dp, S]`` (plain tensors), and the token count, the
+    gradients' data-parallel reductions and the metrics cover the whole mesh."""
     if cfg.scan_layers:
         raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
     check_schedule_model(schedule, cfg.tie_embeddings)
-    group = group if group is not None else dist.group.WORLD
+    group, data = _groups(group, mesh)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world != split.pp:
         raise ValueError(f"the pipeline group has {world} ranks but the split has parallel.pp = {split.pp}")
@@ -162,9 +105,9 @@ def make_pipeline_train_step(
 
     first_rank, last_rank = split.rank_of_stage(0), split.rank_of_stage(split.num_stages - 1)
     shared = set(shared_leaves(cfg, split))
-    embedding_group = (dist.new_group([dist.get_global_rank(group, r) for r in sorted({first_rank, last_rank})])
+    embedding_group = (_embedding_group(group, mesh, sorted({first_rank, last_rank}))
                        if shared and first_rank != last_rank else None)
-    modules: dict[int, _StageModule] = {}
+    modules: dict[int, StageModule] = {}
     runtime: dict = {}
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -173,34 +116,37 @@ def make_pipeline_train_step(
         if num_micro != num_microbatches:
             raise ValueError(f"the batch has {num_micro} microbatches but the pipeline step was built for "
                              f"{num_microbatches}")
-        if "loss_mask" in batch:
-            num_tokens = batch["loss_mask"].to(torch.float32).sum()
-        else:
-            num_tokens = torch.tensor(float(batch["tokens"].numel()), device=device)
+        num_tokens = _token_count(batch, data)
         normaliser = 1.0 / torch.clamp(num_tokens, min=1.0)
         scale = state.loss_scale.scale if loss_scale is not None else None
         grad_scale = normaliser * scale if scale is not None else normaliser
         first_call = not modules
         if first_call:
             runtime["schedule"] = _build_schedule(state.params, cfg, split, schedule, num_microbatches, group, device,
-                                                  compute_dtype, objective, modules, compile_stages)
+                                                  compute_dtype, objective, modules, compile_stages, data)
         for stage, module in modules.items():
             module.bind(stage_params(state.params, cfg, split, stage), grad_scale)
         seeds = (torch.stack([microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
                  if dropout else None)
         args, kwargs = _schedule_inputs(batch, seeds, first_rank == rank, last_rank == rank)
-        with compile_settings() if compile_stages and first_call else contextlib.nullcontext():
+        with contextlib.ExitStack() as context:
+            if compile_stages and first_call:
+                context.enter_context(compile_settings())
+            if data is not None:
+                context.enter_context(implicit_replication())
             runtime["schedule"].step(*args, **kwargs)
         grads = _gather_grads(state.params, modules)
+        if data is not None:
+            grads = match_placements(grads, state.params)
         if embedding_group is not None and rank in (first_rank, last_rank):
-            dist.all_reduce(grads["embed"]["tokens"], group=embedding_group)
-        # the last M calls: on its first step a PipelineStage also runs the forward once to infer shapes
-        outputs = [out for module in modules.values() for out in module.outputs[len(module.outputs) - num_micro:]]
-        sums = torch.zeros(1 + 2 * cfg.mtp_num_layers, device=device)
-        for out in outputs:
-            sums = sums + torch.cat([out.loss_sum.detach().reshape(1), out.mtp_loss_sums.detach(),
-                                     out.mtp_num_tokens])
-        return run_update(state, grads, sums, normaliser, num_tokens, num_micro * micro_batch)
+            embedding = grads["embed"]["tokens"]
+            dist.all_reduce(embedding.to_local() if isinstance(embedding, DTensor) else embedding,
+                            group=embedding_group)
+        sums = _metric_sums(modules, num_micro, 1 + 2 * cfg.mtp_num_layers, device, lambda out: torch.cat(
+            [out.loss_sum.reshape(1), out.mtp_loss_sums, out.mtp_num_tokens]))
+        dp = data_parallel_size(data)
+        with implicit_replication() if data is not None else contextlib.nullcontext():
+            return run_update(state, grads, sums, normaliser, num_tokens, num_micro * micro_batch * dp)
 
     def update(state: TrainState, grads: PyTree, sums: torch.Tensor, normaliser: torch.Tensor,
                num_tokens: torch.Tensor, consumed: int) -> tuple[TrainState, Metrics]:
@@ -210,6 +156,70 @@ def make_pipeline_train_step(
     run_update = compile_step(update, bucket_size_mb=None) if compile else update
     step.schedule = lambda: runtime.get("schedule")  # torch's schedule object, once built (benchmarks)
     return step
+
+
+def _groups(group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh]):
+    """The pipeline group and the data mesh (the mesh without ``pp``; None when it has no other dim)
+    of a step built over ``group`` or ``mesh``."""
+    if mesh is None:
+        return (group if group is not None else dist.group.WORLD), None
+    if group is not None:
+        raise ValueError("give the pipeline step a process group or a mesh, not both")
+    names = tuple(mesh.mesh_dim_names)
+    if "pp" not in names:
+        raise ValueError(f"the pipeline step's mesh needs a 'pp' dim, got dims {names}")
+    others = tuple(name for name in names if name != "pp")
+    return mesh.get_group("pp"), (mesh[others] if others else None)
+
+
+def data_parallel_size(data_mesh: Optional[DeviceMesh]) -> int:
+    """How many data-parallel parts a batch has on ``data_mesh`` (1 without one)."""
+    if data_mesh is None:
+        return 1
+    sizes = dict(zip(data_mesh.mesh_dim_names, data_mesh.mesh.shape))
+    return int(sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1))
+
+
+def _token_count(batch: Batch, data_mesh: Optional[DeviceMesh]) -> torch.Tensor:
+    """The loss tokens of the whole step's global batch (``batch`` is this rank's data-parallel part)."""
+    if "loss_mask" not in batch:
+        return torch.tensor(float(batch["tokens"].numel() * data_parallel_size(data_mesh)),
+                            device=batch["tokens"].device)
+    if data_mesh is None:
+        return batch["loss_mask"].to(torch.float32).sum()
+    mask = local_batch_to_dtensor({"loss_mask": batch["loss_mask"]}, data_mesh)["loss_mask"]
+    return mask.to(torch.float32).sum().full_tensor()
+
+
+def _metric_sums(modules: dict, num_micro: int, size: int, device: torch.device, fields: Callable) -> torch.Tensor:
+    """The sum over this rank's last-stage outputs of this step of ``fields(out)`` (``size``
+    numbers; zeros on ranks without the last stage), reduced over the data mesh: a plain tensor.
+    The last ``num_micro`` outputs: on its first step a PipelineStage also runs the forward once to
+    infer shapes."""
+    total = None
+    for module in modules.values():
+        for out in module.outputs[len(module.outputs) - num_micro:]:
+            total = fields(out) if total is None else total + fields(out)
+    if total is None:
+        return torch.zeros(size, device=device)
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def _embedding_group(group: dist.ProcessGroup, mesh: Optional[DeviceMesh], ranks: list[int]):
+    """Megatron's embedding group: the pipeline ranks ``ranks`` (first and last stage) at this
+    process's data- and tensor-parallel coordinates. Every process creates every coordinate's group
+    (``new_group`` is collective over the world) and keeps its own."""
+    if mesh is None:
+        return dist.new_group([dist.get_global_rank(group, r) for r in ranks])
+    grid = mesh.mesh.movedim(list(mesh.mesh_dim_names).index("pp"), 0)
+    grid = grid.reshape(grid.shape[0], -1)
+    mine = None
+    for column in range(grid.shape[1]):
+        members = [int(grid[r, column]) for r in ranks]
+        created = dist.new_group(members)
+        if dist.get_rank() in members:
+            mine = created
+    return mine
 
 
 def make_pipeline_eval_step(
@@ -222,6 +232,7 @@ def make_pipeline_eval_step(
     compute_dtype: torch.dtype = torch.float32,
     device: torch.device = torch.device("cpu"),
     compile: bool = False,
+    mesh: Optional[DeviceMesh] = None,
 ) -> Callable[[PyTree, Batch], Metrics]:
     """This pipeline rank's ``eval_step(params, batch) -> {"loss_sum", "num_tokens"}`` (as
     ``make_eval_step``; equal on every rank): ``schedule``'s forward-only pass (torch's
@@ -229,13 +240,13 @@ def make_pipeline_eval_step(
     the main next-token loss only, no dropout. ``params`` is this rank's part of the tree. Where a
     rank runs two consecutive stages (the V schedules zbv and dualpipev; one rank with virtual
     stages) it runs a whole step instead and discards its gradients: torch 2.13's forward-only pass
-    fails there."""
+    fails there. ``mesh`` as for ``make_pipeline_train_step``."""
     if cfg.scan_layers:
         raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
-    group = group if group is not None else dist.group.WORLD
+    group, data = _groups(group, mesh)
     rank = dist.get_rank(group)
     first_rank, last_rank = split.rank_of_stage(0), split.rank_of_stage(split.num_stages - 1)
-    modules: dict[int, _StageModule] = {}
+    modules: dict[int, StageModule] = {}
     runtime: dict = {}
     # torch 2.13's forward-only pass fails where one rank runs two consecutive stages (the V
     # schedules; one rank with virtual stages): "can't steal_bwd_input if this stage doesn't have
@@ -255,20 +266,22 @@ def make_pipeline_eval_step(
         first_call = not modules
         if first_call:
             runtime["schedule"] = _build_schedule(params, cfg, split, schedule, num_microbatches, group, device,
-                                                  compute_dtype, objective, modules, compile_stages)
+                                                  compute_dtype, objective, modules, compile_stages, data)
         for stage, module in modules.items():
             module.bind(stage_params(params, cfg, split, stage))
         args, kwargs = _schedule_inputs(batch, None, first_rank == rank, last_rank == rank)
-        with compile_settings() if compile_stages and first_call else contextlib.nullcontext():
+        with contextlib.ExitStack() as context:
+            if compile_stages and first_call:
+                context.enter_context(compile_settings())
+            if data is not None:
+                context.enter_context(implicit_replication())
             if forward_only:
                 with torch.no_grad():
                     runtime["schedule"].eval(*args, **kwargs)
             else:
                 runtime["schedule"].step(*args, **kwargs)
-        sums = torch.zeros(2, device=device)
-        for module in modules.values():
-            for out in module.outputs[len(module.outputs) - num_microbatches:]:
-                sums = sums + torch.stack([out.loss_sum.detach().float(), out.num_tokens.detach().float()])
+        sums = _metric_sums(modules, num_microbatches, 2, device, lambda out: torch.stack(
+            [out.loss_sum.float(), out.num_tokens.float()]))
         dist.all_reduce(sums, group=group)
         return {"loss_sum": sums[0], "num_tokens": sums[1]}
 
@@ -288,14 +301,14 @@ def compiles_stages(schedule: str, compile: bool) -> bool:
 
 def _build_schedule(params: PyTree, cfg: ModelConfig, split: PipelineSplit, schedule: str, num_microbatches: int,
                     group: dist.ProcessGroup, device: torch.device, compute_dtype: torch.dtype, objective: Callable,
-                    modules: dict, compile: bool):
+                    modules: dict, compile: bool, data_mesh: Optional[DeviceMesh]):
     """torch's ``schedule`` over this rank's stage modules (made into ``modules``), for
     ``num_microbatches`` microbatches. The last stage returns its objective, so the loss function is a
     sum and the schedule must not rescale the gradients (``scale_grads=False``)."""
     my_stages = split.stages_of_rank(dist.get_rank(group))
     for stage in my_stages:
-        modules[stage] = _StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
-                                      objective, compile)
+        modules[stage] = StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
+                                      objective, compile, data_mesh)
     stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group) for s in my_stages]
     loss_fn = lambda output, target: output.sum()  # noqa: E731
     schedule_cls = getattr(pipelining, SCHEDULES[schedule][0])
@@ -333,6 +346,11 @@ def _gather_grads(params: PyTree, modules: dict) -> PyTree:
     return tree_unflatten_as(params, [sums[path] for path, _ in flatten_with_paths(params)])
 
 
+def _full(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's value as a plain tensor (reduced or gathered over its mesh); plain tensors unchanged."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
 def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens, counted,
             consumed):
     """``make_train_step``'s update of this rank's state, with the norm and overflow flag reduced
@@ -349,7 +367,7 @@ def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, c
         found_inf = overflow > 0
     device = leaves[0].device
     mine = [leaf for path, leaf in zip(paths, leaves) if counted(path)]
-    norm_sq = global_norm(mine) ** 2 if mine else torch.zeros((), device=device)
+    norm_sq = _full(global_norm(mine)) ** 2 if mine else torch.zeros((), device=device)
     dist.all_reduce(norm_sq, group=group)
     grad_norm = norm_sq.sqrt()
     grads = tree_unflatten_as(state.params, leaves)
