@@ -34,7 +34,7 @@ from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor, shard
 from lmfunc.precision import LossScaleConfig
 from lmfunc.train import TrainState, make_eval_step, make_train_step
 from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
-from lmfunc.train.pipeline_stages import rank_params
+from lmfunc.model.stages import rank_params
 from lmfunc.tree import flatten_with_paths, tree_unflatten_as
 from tests.helpers import lm_batch
 

@@ -1,4 +1,4 @@
-"""``lmfunc.train.pipeline_stages``: each stage's parameter subtree under model-wide names."""
+"""``lmfunc.model.stages``: each stage's parameter subtree under model-wide names."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import pytest
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.config.pipeline import pipeline_split
-from lmfunc.train.pipeline_stages import shared_leaves, stage_params
+from lmfunc.model.stages import shared_leaves, stage_params
 from lmfunc.tree import flatten_with_paths
 
 
@@ -49,7 +49,7 @@ def test_the_stages_composed_are_the_model(schedule, pp, virtual, first, last):
     recompute: the same hidden states as ``gpt.forward``, bit for bit."""
     import torch
 
-    from lmfunc.train.pipeline_stages import stage_forward
+    from lmfunc.model.stages import stage_forward
 
     cfg = dataclasses.replace(model_preset("tiny", num_layers=4), hidden_dropout=0.1, recompute_granularity="full")
     params = model.init(cfg, seed=0)

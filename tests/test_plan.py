@@ -63,22 +63,65 @@ def test_tensor_parallel_shard_and_the_distributed_optimizer():
 
 def test_pipeline_parallel_is_planned_with_megatrons_formulas():
     """pp 2, 4 microbatches: half the layers plus the embedding on the first stage; the activations
-    lose the output-layer term; trainable alone, without lmfunc's own prediction; with dp_shard
-    marked not trainable."""
+    lose the output-layer term; trainable alone and beside dp_shard."""
     cfg = WORKED.replace(parallel=ParallelConfig(pp=2), run=RunConfig(micro_batch_size=2, global_batch_size=8))
     plan = plan_of(cfg, 2)
     meg = plan.megatron
     assert meg.counts.most_loaded_shard == 2 * 49_152 / 2 + 24_576 + (2 * 256 + 128) / 2
     assert meg.counts.other_shards == 2 * 49_152 / 2 + (2 * 256 + 128) / 2
     assert meg.activations == pytest.approx(1.05 * (557_056 * 2 + 8 * 128 * 2 * 2 + 128 * 2 * 64 * 2))
-    assert plan.lmfunc is None and plan.untrainable == [] and plan.unpredicted == ["parallel.pp = 2"]
-    assert "lmfunc: trainable; its own memory prediction does not model this layout yet (parallel.pp = 2)" in \
-        format_plan(plan)
+    assert plan.untrainable == [] and plan.unpredicted == [] and plan.lmfunc.chunks_in_flight == 2
     assert cfg.validate(2).parallel.pp == 2
     with_fsdp = cfg.replace(parallel=ParallelConfig(pp=2, dp_shard=2))
     plan = plan_of(with_fsdp, 4)
-    assert plan.untrainable == [] and plan.unpredicted == ["parallel.pp = 2"]
+    assert plan.untrainable == [] and plan.unpredicted == []
     assert with_fsdp.validate(4).parallel.dp_shard == 2
+    zbv = cfg.replace(model=dataclasses.replace(cfg.model, tie_embeddings=False, num_layers=4),
+                      parallel=ParallelConfig(pp=2, pp_schedule="zbv"))
+    plan = plan_of(zbv, 2)
+    assert plan.lmfunc is None and plan.unpredicted == ["parallel.pp = 2 with parallel.pp_schedule zbv"]
+    assert "lmfunc: trainable; its own memory prediction does not model this layout yet" in format_plan(plan)
+
+
+@pytest.mark.parametrize("schedule, pp, virtual, microbatches, expected", [
+    ("gpipe", 2, None, 8, [8, 8]),
+    ("1f1b", 2, None, 8, [2, 1]),
+    ("1f1b", 4, None, 8, [4, 3, 2, 1]),
+    ("1f1b", 4, None, 2, [2, 2, 2, 1]),
+    ("interleaved-1f1b", 2, 2, 4, [5, 3]),
+    ("zero-bubble", 2, 2, 8, [4, 3]),
+    ("zbv", 2, None, 8, [None, None]),
+])
+def test_chunks_in_flight_per_schedule(schedule, pp, virtual, microbatches, expected):
+    """Stage-microbatches a rank holds at once; the pp 2 counts are those the pipeline benchmark
+    measures from the order of torch's actions (``experiments.bench.pipeline``, docs/performance.md)."""
+    from lmfunc.config.pipeline import pipeline_split
+    from lmfunc.plan.pipeline_memory import chunks_in_flight
+
+    split = pipeline_split(8, pp, schedule, virtual)
+    assert [chunks_in_flight(schedule, split, microbatches, r) for r in range(pp)] == expected
+
+
+def test_a_pipeline_ranks_prediction_counts_its_own_leaves_and_chunks():
+    """pp 2 of the tiny model, tied: rank 0 holds the embedding and layer 0, rank 1 layer 1, the final
+    norm and the embedding again (tied); their elements sum to the model's plus one embedding, and
+    dp_shard 2 halves every leaf sharded along its hidden size. GPipe holds all 4 microbatches on
+    each rank, 1F1B 2 on the first and 1 on the last, and the activations scale with them."""
+    from lmfunc.plan.pipeline_memory import predict_pipeline_rank
+
+    cfg = WORKED.replace(model=dataclasses.replace(WORKED.model, activation="swiglu", normalization="RMSNorm"),
+                         parallel=ParallelConfig(pp=2))
+    total = local_params(cfg.model, {})
+    first, last = (predict_pipeline_rank(cfg, {"pp": 2}, r) for r in range(2))
+    assert first.params + last.params == total + 384 * 64
+    assert last.head > 0 and first.head == 0
+    assert (first.chunks_in_flight, last.chunks_in_flight) == (2, 1)
+    assert first.peak == first.state + first.grads + first.compute_copies + max(first.activations + first.head,
+                                                                            16 * first.params)
+    gpipe = cfg.replace(parallel=ParallelConfig(pp=2, pp_schedule="gpipe"))
+    assert predict_pipeline_rank(gpipe, {"pp": 2}, 0).activations == 2 * first.activations
+    sharded = predict_pipeline_rank(cfg, {"pp": 2, "dp_shard": 2}, 0)
+    assert sharded.params == first.params // 2 and sharded.compute_copies == 4 * first.params
 
 
 def test_moe_counts_and_flops():

@@ -66,7 +66,7 @@ def overflowing_loss(params, micro, cfg, seed=None, grad_scale=None, per_token=T
     return out._replace(loss_sum=out.loss_sum * poison)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiled: 36 s in CI
 def test_fp16_step_skips_overflows_and_walks_the_scale(compiled, tiny_state):
     tx = adamw(1e-2, weight_decay=0.1)
     step = make_train_step(TINY, tx, compute_dtype=torch.float16, loss_scale=WALK, loss_fn=overflowing_loss,

@@ -110,7 +110,7 @@ def test_a_pp2_checkpoint_continues_on_another_pp_size(runs, tmp_path, nproc, fl
         assert loss == pytest.approx(want[step], rel=1e-5), step
 
 
-@pytest.mark.parametrize("layout, nproc", [("single", 1), ("pp=2,tp=2", 4),
+@pytest.mark.parametrize("layout, nproc", [("single", 1), pytest.param("pp=2,tp=2", 4, marks=pytest.mark.slow),
                                            pytest.param("pp=4", 4, marks=pytest.mark.slow)])
 def test_a_pp2_checkpoint_loads_equal_on_other_layouts(runs, layout, nproc, tmp_path):
     step_dir = str(runs / "pp2" / "checkpoints" / "iter_0000006")

@@ -17,7 +17,11 @@ summed over ranks, against 2 m (S - 1): each of the S - 1 stage boundaries sends
 forward and one gradient back per microbatch (less the boundaries inside a rank: V schedules).
 
 Memory: the most microbatches a rank holds activations for at once (forward run, backward not
-yet), from the order of its actions: GPipe m, 1F1B at most p.
+yet), from the order of its actions: GPipe m, 1F1B at most p, next to ``lmfunc.plan``'s count
+(``chunks_in_flight``). ``--memory`` also measures each rank's step memory: the bytes its state
+and batch hold plus the allocator's peak during one more step (``allocator_peak_bytes``), next to
+``lmfunc.plan``'s prediction for that rank (``predict_pipeline_rank``); ``--compile`` compiles
+the stages and the update, as the trainer does (the prediction models compiled stages).
 
 ``--timeline`` prints the order of one step's actions per rank with their start times (ms).
 """
@@ -34,10 +38,12 @@ import torch.distributed as dist
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.config.pipeline import check_microbatches, pipeline_split
+from lmfunc.metrics import allocator_peak_bytes
 from lmfunc.optim import adamw
+from lmfunc.plan.pipeline_memory import chunks_in_flight, predict_pipeline_rank
 from lmfunc.train import TrainState
 from lmfunc.train.pipeline_step import make_pipeline_train_step
-from lmfunc.train.pipeline_stages import rank_params
+from lmfunc.model.stages import rank_params
 from tests.helpers import lm_batch
 
 WORKLOAD = {"num_layers": 8, "hidden_size": 128, "seq": 128, "micro_batch": 2}
@@ -114,7 +120,26 @@ def _stages(schedule) -> list:
     return list(getattr(schedule, "_stages", None) or [schedule._stage])
 
 
-def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, timeline: bool) -> None:
+def _train_config(cfg, schedule: str, pp: int, virtual: int, microbatches: int):
+    """The workload as the ``TrainConfig`` ``lmfunc.plan`` predicts from."""
+    from lmfunc.config.train import DataConfig, ParallelConfig, RunConfig, TrainConfig
+
+    w = WORKLOAD
+    return TrainConfig(model=cfg, data=DataConfig(seq_length=w["seq"]),
+                       run=RunConfig(micro_batch_size=w["micro_batch"], global_batch_size=w["micro_batch"] * microbatches),
+                       parallel=ParallelConfig(pp=pp, pp_schedule=schedule, virtual_stages=virtual if virtual > 1 else None))
+
+
+def _step_memory(step, state, batch) -> tuple:
+    """(state, bytes the state and batch hold, the allocator's peak above them during one step)."""
+    held = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves((state, batch))
+               if isinstance(t, torch.Tensor))
+    (state, _), peak = allocator_peak_bytes(lambda: step(state, batch))
+    return state, held, peak
+
+
+def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, timeline: bool, memory: bool = False,
+            compile: bool = False) -> None:
     rank, pp = dist.get_rank(), dist.get_world_size()
     w = WORKLOAD
     split = pipeline_split(w["num_layers"], pp, schedule_name, virtual if virtual > 1 else None)
@@ -122,7 +147,7 @@ def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, tim
     cfg = dataclasses.replace(model_preset("tiny", num_layers=w["num_layers"], hidden_size=w["hidden_size"]),
                               tie_embeddings=False, scan_layers=False, max_position_embeddings=w["seq"])
     tx = adamw(1e-3)
-    step = make_pipeline_train_step(cfg, tx, split, schedule_name, microbatches)
+    step = make_pipeline_train_step(cfg, tx, split, schedule_name, microbatches, compile=compile)
     state = TrainState.create(rank_params(model.init(cfg, seed=0), cfg, split, rank), tx)
     batch = lm_batch(cfg.vocab_size, microbatches, w["micro_batch"], w["seq"], seed=0)
     recorder, wrapped = _Recorder(), False
@@ -147,9 +172,13 @@ def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, tim
         step_ms.append(1e3 * elapsed)
         schedule_ms.append(1e3 * recorder.scheduled)
         sends.append(recorder.sends)
+    held = peak = 0
+    if memory:
+        state, held, peak = _step_memory(step, state, batch)
     mine = torch.tensor([sum(fractions) / len(fractions), sum(busy_ms) / len(busy_ms), sum(step_ms) / len(step_ms),
-                         float(sends[-1]), sum(schedule_ms) / len(schedule_ms)])
-    gathered = [torch.zeros(5) for _ in range(pp)]
+                         float(sends[-1]), sum(schedule_ms) / len(schedule_ms), float(held), float(peak)],
+                        dtype=torch.float64)
+    gathered = [torch.zeros(7, dtype=torch.float64) for _ in range(pp)]
     dist.all_gather(gathered, mine)
     events = [None] * pp
     dist.all_gather_object(events, recorder.events)
@@ -169,7 +198,17 @@ def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, tim
           + f") theory {theory(schedule_name, pp, max(virtual, 1), microbatches):.3f} | sends "
           f"{int(sum(float(g[3]) for g in gathered))} expected {expected_sends}", flush=True)
     in_flight = [_most_in_flight(rank_events) for rank_events in events]
-    print(f"  microbatches in flight (forward done, backward not yet), most per rank: {in_flight}")
+    planned = [chunks_in_flight(schedule_name, split, microbatches, r) for r in range(pp)]
+    print(f"  microbatches in flight (forward done, backward not yet), most per rank: {in_flight}, "
+          f"lmfunc.plan {planned}")
+    if memory:
+        train_cfg = _train_config(cfg, schedule_name, pp, virtual, microbatches)
+        for r, g in enumerate(gathered):
+            measured = float(g[5]) + float(g[6])
+            plan = predict_pipeline_rank(train_cfg, {"pp": pp}, r)
+            predicted = f"{plan.peak / 2**20:.2f} MiB ({100 * (plan.peak / measured - 1):+.1f}%)" if plan else "-"
+            print(f"  rank {r} step memory: measured {measured / 2**20:.2f} MiB (state and batch "
+                  f"{float(g[5]) / 2**20:.2f} + step peak {float(g[6]) / 2**20:.2f}), lmfunc.plan {predicted}")
     if timeline:
         for r, rank_events in enumerate(events):
             print(f"  rank {r}: " + " ".join(f"{name}@{1e3 * start:.0f}" for name, start, _ in rank_events))
@@ -182,11 +221,13 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeline", action="store_true")
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     try:
         for m in args.microbatches:
-            measure(args.schedule, args.virtual_stages, m, args.steps, args.timeline)
+            measure(args.schedule, args.virtual_stages, m, args.steps, args.timeline, args.memory, args.compile)
     finally:
         dist.destroy_process_group()
 

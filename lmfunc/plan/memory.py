@@ -121,13 +121,23 @@ class MemoryPlan:
     """CUDA libraries' workspace held by the caching allocator (cuBLAS; 0 on the CPU)."""
     notes: tuple[str, ...] = ()
     """What the user should know about the prediction (printed under it)."""
+    update: int = 0
+    """Pipeline ranks: what the update allocates next to the state and gradients (its new state and
+    the clipped gradients; the pipeline's update is not donated)."""
+    chunks_in_flight: Optional[int] = None
+    """Pipeline ranks: the stage-microbatches whose activations are held at once (``activations``
+    counts them all, with their stage's input and output hidden states); None without a pipeline."""
 
     def rows(self) -> list[tuple[str, int]]:
-        return [("fp32 params + Adam moments (donated state)", self.state), ("fp32 gradients", self.grads),
+        kept = ("activations kept by the layers (1 microbatch)" if self.chunks_in_flight is None else
+                f"activations, {self.chunks_in_flight} stage-microbatches in flight")
+        state = "fp32 params + Adam moments" + (" (donated state)" if self.chunks_in_flight is None else "")
+        return [(state, self.state), ("fp32 gradients", self.grads),
                 ("compute copies of the params", self.compute_copies),
-                ("activations kept by the layers (1 microbatch)", self.activations),
+                (kept, self.activations),
                 *([("scanned layers' stacked gradients (backward)", self.scan_gradients)] if self.scan_gradients else []),
                 ("embedding, output layer and logits chunk", self.head),
+                *([("update: new state and clipped gradients", self.update)] if self.update else []),
                 *([("cuBLAS workspace (CUDA)", self.workspace)] if self.workspace else []),
                 ("peak step memory", self.peak)]
 
@@ -162,6 +172,26 @@ def local_params(cfg: ModelConfig, sizes: dict[str, int], data_parallel_sharded:
                if path.startswith(prefix))
 
 
+def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str) -> float:
+    """Bytes one transformer layer keeps for its backward pass over one microbatch on one
+    tensor-parallel rank (``KEPT_PER_TOKEN``; GeLU keeps one ffn-sized value fewer)."""
+    m = cfg.model
+    kept = KEPT_PER_TOKEN[granularity]
+    if m.activation != "swiglu":
+        kept = dataclasses.replace(kept, ffn=max(kept.ffn - 1, 0))
+    tokens = cfg.run.micro_batch_size * cfg.data.seq_length
+    return tokens * kept.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, DTYPE_BYTES[cfg.precision.compute_dtype])
+
+
+def head_bytes(cfg: TrainConfig, tp: int) -> int:
+    """The working set outside the layers while the output layer runs over one microbatch
+    (``HEAD_VALUES_PER_TOKEN`` fp32 hidden-size values per token and one logits chunk)."""
+    m = cfg.model
+    tokens = cfg.run.micro_batch_size * cfg.data.seq_length
+    chunk = tokens if m.cross_entropy_chunk_tokens == 0 else min(tokens, m.cross_entropy_chunk_tokens)
+    return int(4 * tokens * m.hidden_size * HEAD_VALUES_PER_TOKEN + 4 * chunk * m.vocab_size / tp)
+
+
 def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     """lmfunc's peak step memory on the most-loaded rank of the mesh ``sizes`` (mesh dim -> size):
     the state and compute copies plus the largest of three phases: the output layer's (the layers'
@@ -177,20 +207,12 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     low_precision = compute_bytes < 4
     compute_copies = (compute_bytes * gathered if low_precision or gathered != params else 0)
     tokens = cfg.run.micro_batch_size * cfg.data.seq_length
-    sequence_parallel = m.sequence_parallel and tp > 1
     scanned = m.num_layers if m.scan_layers else 0
-
-    def kept_bytes(granularity: str) -> float:
-        kept = KEPT_PER_TOKEN[granularity]
-        if m.activation != "swiglu":
-            kept = dataclasses.replace(kept, ffn=max(kept.ffn - 1, 0))
-        return tokens * kept.per_token_bytes(m, tp, sequence_parallel, compute_bytes)
-
     unrolled = m.num_layers + m.mtp_num_layers - scanned
-    activations = int(scanned * kept_bytes("none") + unrolled * kept_bytes(m.recompute_granularity))
+    activations = int(scanned * layer_kept_bytes(cfg, tp, "none")
+                      + unrolled * layer_kept_bytes(cfg, tp, m.recompute_granularity))
     scan_gradients = SCAN_GRADIENT_COPIES * 4 * local_params(m, sizes, prefix="layers.") if scanned else 0
-    chunk = tokens if m.cross_entropy_chunk_tokens == 0 else min(tokens, m.cross_entropy_chunk_tokens)
-    head = int(4 * tokens * m.hidden_size * HEAD_VALUES_PER_TOKEN + 4 * chunk * m.vocab_size / tp)
+    head = head_bytes(cfg, tp)
     phases = [activations + scan_gradients + head, grads]
     if m.recompute_granularity == "full" and not scanned:
         layer_grads = 4 * local_params(m, sizes, prefix="layers.0.")

@@ -9,6 +9,7 @@ from lmfunc.config.train import TrainConfig
 from lmfunc.config.train_checks import untrainable_features
 from lmfunc.plan.megatron import MB, MegatronArgs, MegatronReport, megatron_report
 from lmfunc.plan.memory import MemoryPlan, predict_memory
+from lmfunc.plan.pipeline_memory import predict_pipeline_memory
 
 MiB = 2**20
 
@@ -37,10 +38,13 @@ def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
     """The plan of ``cfg`` (validated, ``run.global_batch_size`` resolved) on ``world_size`` processes."""
     sizes = cfg.parallel.sizes(world_size)
     untrainable = untrainable_features(cfg)
-    unpredicted = [f"parallel.pp = {sizes['pp']}"] if sizes["pp"] > 1 and not untrainable else []
+    prediction, unpredicted = None, []
+    if not untrainable:
+        prediction = predict_pipeline_memory(cfg, sizes) if sizes["pp"] > 1 else predict_memory(cfg, sizes)
+        if prediction is None:
+            unpredicted = [f"parallel.pp = {sizes['pp']} with parallel.pp_schedule {cfg.parallel.pp_schedule}"]
     return Plan(world_size=world_size, sizes=sizes, megatron=megatron_report(MegatronArgs.from_config(cfg, world_size)),
-                lmfunc=None if untrainable or unpredicted else predict_memory(cfg, sizes), untrainable=untrainable,
-                unpredicted=unpredicted)
+                lmfunc=prediction, untrainable=untrainable, unpredicted=unpredicted)
 
 
 def _bytes(value: float) -> str:

@@ -24,7 +24,7 @@ from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
 from lmfunc.parallel.mesh import Layout
 from lmfunc.parallel.sharding import full_tensors, init_sharded, shard_params
-from lmfunc.train.pipeline_stages import rank_params
+from lmfunc.model.stages import rank_params
 from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path, tree_unflatten_as
 
 

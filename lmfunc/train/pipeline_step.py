@@ -57,7 +57,8 @@ from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_n
 from lmfunc.optim.transforms import Schedule
 from lmfunc.parallel.sharding import local_batch_to_dtensor, match_placements
 from lmfunc.precision import LossScaleConfig, all_finite
-from lmfunc.train.pipeline_stages import StageModule, shared_leaves, stage_params
+from lmfunc.model.stages import shared_leaves, stage_params
+from lmfunc.train.pipeline_stages import StageModule
 from lmfunc.train.state import TrainState
 from lmfunc.train.step import Batch, Metrics, microbatch_seed, check_batch, skip_on_overflow
 from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
