@@ -130,11 +130,7 @@ def make_pipeline_train_step(
         seeds = (torch.stack([microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
                  if dropout else None)
         args, kwargs = _schedule_inputs(batch, seeds, first_rank == rank, last_rank == rank)
-        with contextlib.ExitStack() as context:
-            if compile_stages and first_call:
-                context.enter_context(compile_settings())
-            if data is not None:
-                context.enter_context(implicit_replication())
+        with _schedule_context(compile_stages and first_call, data is not None):
             runtime["schedule"].step(*args, **kwargs)
         grads = _gather_grads(state.params, modules)
         if data is not None:
@@ -157,6 +153,19 @@ def make_pipeline_train_step(
     run_update = compile_step(update, bucket_size_mb=None) if compile else update
     step.schedule = lambda: runtime.get("schedule")  # torch's schedule object, once built (benchmarks)
     return step
+
+
+@contextlib.contextmanager
+def _schedule_context(compiling: bool, on_mesh: bool):
+    """Around a schedule call: ``compile_settings`` while the stages compile (their backward compiles
+    at the first backward, inside the call), and ``implicit_replication`` on a data mesh (plain
+    tensors made inside the stages count as replicated)."""
+    with contextlib.ExitStack() as context:
+        if compiling:
+            context.enter_context(compile_settings())
+        if on_mesh:
+            context.enter_context(implicit_replication())
+        yield
 
 
 def _groups(group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh]):
@@ -271,11 +280,7 @@ def make_pipeline_eval_step(
         for stage, module in modules.items():
             module.bind(stage_params(params, cfg, split, stage))
         args, kwargs = _schedule_inputs(batch, None, first_rank == rank, last_rank == rank)
-        with contextlib.ExitStack() as context:
-            if compile_stages and first_call:
-                context.enter_context(compile_settings())
-            if data is not None:
-                context.enter_context(implicit_replication())
+        with _schedule_context(compile_stages and first_call, data is not None):
             if forward_only:
                 with torch.no_grad():
                     runtime["schedule"].eval(*args, **kwargs)
