@@ -1,7 +1,8 @@
 """Worker for tests/test_pipeline_step.py (launched by torchrun, gloo): every rank trains the same
 tiny model two ways, the one-process eager ``make_train_step`` and its pipeline rank's
-``make_pipeline_train_step``, and checks that the losses agree at every step, that its final
-params and Adam moments agree with the one-process ones under the same names, and that the
+``make_pipeline_train_step`` (donating its state, as the trainer does), and checks that the losses
+agree at every step, that its final params and Adam moments agree with the one-process ones under
+the same names and live in the tensors it started with (donated), and that the
 pipeline's forward-only evaluation (``make_pipeline_eval_step``) gives the one-process
 ``make_eval_step``'s loss before the first step and after the last.
 
@@ -35,7 +36,7 @@ from lmfunc.precision import LossScaleConfig
 from lmfunc.train import TrainState, make_eval_step, make_train_step
 from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.model.stages import rank_params
-from lmfunc.tree import flatten_with_paths, tree_unflatten_as
+from lmfunc.tree import flatten_with_paths, tree_map, tree_unflatten_as
 from tests.helpers import lm_batch
 
 STEPS, MICROBATCHES = 5, 4
@@ -82,14 +83,15 @@ def main() -> None:
     dtype = torch.float16 if fp16 else torch.float32
     reference = make_train_step(cfg, tx, compile=False, compute_dtype=dtype, loss_scale=scaling)
     piped = make_pipeline_train_step(cfg, tx, split, schedule, MICROBATCHES, compute_dtype=dtype, loss_scale=scaling,
-                                     compile=compiled, mesh=mesh)
+                                     compile=compiled, mesh=mesh, donate_state=True)
     whole = TrainState.create(params, tx, loss_scale=scaling)
     if data_mesh is not None:  # the same layout without the pipeline (see the module docstring)
         whole = TrainState.create(shard_params(params, model.param_axes(cfg), data_mesh), tx, loss_scale=scaling)
-    part = rank_params(params, cfg, split, rank)
+    part = tree_map(torch.clone, rank_params(params, cfg, split, rank))  # its own tensors: the step donates them
     if data_mesh is not None:
         part = shard_params(part, rank_params(model.param_axes(cfg), cfg, split, rank), data_mesh)
     mine = TrainState.create(part, tx, loss_scale=scaling)
+    storages = _storages(mine)
 
     def local(batch: dict) -> dict:
         """This data-parallel rank's part of every microbatch."""
@@ -129,9 +131,17 @@ def main() -> None:
               if leaf.is_floating_point() and leaf.dim() > 0}
     path, error = max(errors.items(), key=lambda item: item[1])
     assert error < tolerance["leaves"], f"rank {rank}: {path} differs by rel L2 {error:.2e}"
+    assert _storages(mine) == storages, f"rank {rank}: the donating step returned other tensors than it was given"
     rank = dist.get_rank()
     print(f"rank {rank} ok: {len(errors)} leaves, worst metric rel {worst:.1e}, worst leaf {path} {error:.1e}")
     dist.destroy_process_group()
+
+
+def _storages(state: TrainState) -> list:
+    """The storage addresses of the state's donated leaves (params and optimizer tensors, not 0-dim)."""
+    leaves = [leaf for _, leaf in flatten_with_paths((state.params, state.opt_state))
+              if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+    return [(leaf.to_local() if hasattr(leaf, "to_local") else leaf).untyped_storage().data_ptr() for leaf in leaves]
 
 
 if __name__ == "__main__":

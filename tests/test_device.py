@@ -120,3 +120,21 @@ def test_training_on_cuda(tmp_path):
                                     sample_tokens=8, eval_iters=1))
     result = train(cfg)
     assert result.steps == 3 and result.sample is not None
+
+
+def test_cpu_allocator_peak_counts_each_call_from_its_own_start():
+    """The profiler's running total keeps bytes allocated under an earlier call and freed after it;
+    each call's peak must count from its own start (a second measurement in one process)."""
+    from lmfunc.metrics import allocator_peak_bytes
+
+    kept, first = allocator_peak_bytes(lambda: torch.ones(1 << 20))  # 4 MiB, freed after the call
+    del kept
+
+    def transient():
+        scratch = torch.ones(1 << 19)  # 2 MiB, freed inside
+        del scratch
+        return float(torch.ones(1 << 18).sum())  # 1 MiB
+
+    _, second = allocator_peak_bytes(transient)
+    assert first == 4 * 2**20
+    assert 2 * 2**20 <= second < 2 * 2**20 + 4096

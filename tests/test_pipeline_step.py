@@ -25,10 +25,12 @@ from tests.helpers import run_torchrun
     pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "1f1b", 0, 1, 1, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "zero-bubble", 2, 1, 0, 0, 1, 0, "", marks=pytest.mark.slow),
+    pytest.param(2, "zbv", 0, 1, 0, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "interleaved-1f1b", 2, 1, 0, 0, 0, 0, "2 1 0", marks=pytest.mark.slow),
     pytest.param(4, "gpipe", 0, 1, 1, 1, 0, 0, "1 2 0", marks=pytest.mark.slow),
     pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "2 1 0", marks=pytest.mark.slow),
     pytest.param(8, "1f1b", 0, 1, 1, 0, 0, 0, "2 2 1", marks=pytest.mark.slow),
+    pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "1 2 1", marks=pytest.mark.slow),
 ])
 def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute, mesh):
     proc = run_torchrun(nproc, ["-m", "tests.pipeline_worker", schedule, str(virtual), str(mtp), str(tie), str(fp16),

@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node P -m experiments.bench.pipeline \\
         [--schedule 1f1b] [--virtual-stages V] [--microbatches 4 8 16] [--timeline]
 
-Each rank trains ``make_pipeline_train_step`` (eager stages, so the times are the stages' compute,
-not compilation) on a fixed workload and times, per step, the stages' compute actions (torch's
+Each rank trains ``make_pipeline_train_step`` (donating its state, as the trainer does; eager
+stages unless ``--compile``, the times after warm-up steps, so they are the stages' compute, not
+compilation) on a fixed workload and times, per step, the stages' compute actions (torch's
 ``forward_one_chunk``, ``backward_one_chunk`` and, for zero bubble, ``backward_weight_one_chunk``):
 busy = their sum; idle = the schedule's wall time (``schedule.step``) - busy: waiting for another
 stage, posting and waiting for P2P, the schedule's own bookkeeping. The bubble fraction of a rank
@@ -147,7 +148,7 @@ def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, tim
     cfg = dataclasses.replace(model_preset("tiny", num_layers=w["num_layers"], hidden_size=w["hidden_size"]),
                               tie_embeddings=False, scan_layers=False, max_position_embeddings=w["seq"])
     tx = adamw(1e-3)
-    step = make_pipeline_train_step(cfg, tx, split, schedule_name, microbatches, compile=compile)
+    step = make_pipeline_train_step(cfg, tx, split, schedule_name, microbatches, compile=compile, donate_state=True)
     state = TrainState.create(rank_params(model.init(cfg, seed=0), cfg, split, rank), tx)
     batch = lm_batch(cfg.vocab_size, microbatches, w["micro_batch"], w["seq"], seed=0)
     recorder, wrapped = _Recorder(), False

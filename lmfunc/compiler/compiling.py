@@ -111,6 +111,28 @@ def compile_settings():
                 yield
 
 
+RETAINED_BACKWARD_CACHE_TAG = "lmfunc-retained-backward"
+"""What ``retained_backward_settings`` adds to torch's compile-cache key tag."""
+
+
+@contextlib.contextmanager
+def retained_backward_settings():
+    """While compiling and running a compiled function whose backward runs more than once on one
+    forward (``retain_graph``: the pipeline's split backward runs it for the input gradients, then
+    again for the weight gradients). AOTAutograd's donated buffers let Inductor's backward write
+    into the saved activations, which a second backward would then read; torch refuses such a
+    backward unless ``torch._functorch.config.donated_buffer`` is off, a setting it reads when it
+    compiles and again in every backward, so this holds it off throughout. It also adds
+    ``RETAINED_BACKWARD_CACHE_TAG`` to the compile-cache key tag: in torch 2.13 Inductor's FX graph
+    cache key leaves out which buffers are donated, so a backward compiled earlier with donated
+    buffers (by any process sharing the cache) would be reused here and overwrite what the second
+    backward reads: silently wrong gradients (``tests/test_compiling.py`` reproduces it)."""
+    tag = torch.compiler.config.cache_key_tag
+    tag = tag if RETAINED_BACKWARD_CACHE_TAG in tag else f"{tag}+{RETAINED_BACKWARD_CACHE_TAG}".lstrip("+")
+    with torch._functorch.config.patch(donated_buffer=False), torch.compiler.config.patch(cache_key_tag=tag):
+        yield
+
+
 def tracing_settings() -> contextlib.AbstractContextManager:
     """The Dynamo setting a step needs while it is traced: ``torch.autograd.grad`` (``lmfunc.grad``)
     traced into the graph, through the private ``torch._dynamo.config.trace_autograd_ops``

@@ -121,9 +121,6 @@ class MemoryPlan:
     """CUDA libraries' workspace held by the caching allocator (cuBLAS; 0 on the CPU)."""
     notes: tuple[str, ...] = ()
     """What the user should know about the prediction (printed under it)."""
-    update: int = 0
-    """Pipeline ranks: what the update allocates next to the state and gradients (its new state and
-    the clipped gradients; the pipeline's update is not donated)."""
     chunks_in_flight: Optional[int] = None
     """Pipeline ranks: the stage-microbatches whose activations are held at once (``activations``
     counts them all, with their stage's input and output hidden states); None without a pipeline."""
@@ -131,13 +128,12 @@ class MemoryPlan:
     def rows(self) -> list[tuple[str, int]]:
         kept = ("activations kept by the layers (1 microbatch)" if self.chunks_in_flight is None else
                 f"activations, {self.chunks_in_flight} stage-microbatches in flight")
-        state = "fp32 params + Adam moments" + (" (donated state)" if self.chunks_in_flight is None else "")
+        state = "fp32 params + Adam moments (donated state)"
         return [(state, self.state), ("fp32 gradients", self.grads),
                 ("compute copies of the params", self.compute_copies),
                 (kept, self.activations),
                 *([("scanned layers' stacked gradients (backward)", self.scan_gradients)] if self.scan_gradients else []),
                 ("embedding, output layer and logits chunk", self.head),
-                *([("update: new state and clipped gradients", self.update)] if self.update else []),
                 *([("cuBLAS workspace (CUDA)", self.workspace)] if self.workspace else []),
                 ("peak step memory", self.peak)]
 

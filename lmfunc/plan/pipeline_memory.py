@@ -13,20 +13,20 @@ step (``lmfunc.train.pipeline_step``) holds.
   stage's layer values (``layer_kept_bytes``, the MTP depths' on the last stage) and the stage's
   input and output hidden states (the schedule keeps both until the chunk's backward).
 - **the output layer's working set** on the last stage, one microbatch at a time (``head_bytes``).
-- **the update** runs after the schedule, on the whole gradients, and is not donated: the new
-  params and moments (12 bytes per element) exist next to the old state, with the clipped
-  gradients (4 bytes; 4 more for the unscaled ones under loss scaling).
+- **the update** runs after the schedule, on the whole gradients, compiled and donated (the
+  trainer's ``make_pipeline_train_step(donate_state=True)``): it writes the new params and
+  moments into the state's tensors and adds nothing beyond the gradients.
 
-The peak is the state and compute copies plus the larger of the schedule's phase (gradients,
-activations in flight, output layer) and the update's.
+The peak is the state, the compute copies and the gradients plus the schedule's activations in
+flight and the output layer.
 
 The zbv and dualpipev schedules are not predicted (their V-shaped order has no count here yet).
 
-Accuracy, measured on the CPU (docs/performance.md): the counts of chunks in flight are exact, but
-the bytes fall short: compiled stages keep about 1.5x the per-layer values of the one-graph step
-(they are compiled without lmfunc's saved-value and recompute passes), and the step's peak also
-grows with the microbatches per step where the chunks in flight do not (1F1B). The prediction is
-up to 34% below the measured step memory; the printout says so (``ACCURACY_NOTE``).
+Accuracy, measured on the CPU (docs/performance.md): the counts of chunks in flight are exact; the
+bytes per chunk fall short, because the compiled stages keep about 1.2x the per-layer values of the
+one-graph step (AOTAutograd's partitioner chooses them, not lmfunc's saved-value and recompute
+passes). Over GPipe, 1F1B and interleaved 1F1B on pp 2 and 4 the prediction was 19% below to 4%
+above the measured step memory; the printout says so (``ACCURACY_NOTE``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from lmfunc.plan.memory import DTYPE_BYTES, MemoryPlan, head_bytes, layer_kept_b
 from lmfunc.tree import flatten_with_paths
 
 ACCURACY_NOTE = ("pipeline ranks are predicted with the one-graph step's per-layer values; measured on the CPU, the "
-                 "compiled stages' step memory was 5% to 34% above this (docs/performance.md)")
+                 "compiled stages' step memory was 4% below to 23% above this (docs/performance.md)")
 
 
 def chunks_in_flight(schedule: str, split: PipelineSplit, microbatches: int, rank: int) -> Optional[int]:
@@ -97,13 +97,12 @@ def predict_pipeline_rank(cfg: TrainConfig, sizes: dict[str, int], rank: int) ->
     holds_head = any(split.holds_head(s) for s in split.stages_of_rank(rank))
     head = head_bytes(cfg, tp) if holds_head else 0
     state, grads = 12 * params, 4 * params
-    update = (16 + (4 if cfg.precision.loss_scaling() is not None else 0)) * params
-    peak = state + compute_copies + grads + max(activations + head, update)
+    peak = state + compute_copies + grads + activations + head
     note = (f"pipeline rank {rank} of {split.pp}: {p.pp_schedule} holds at most {chunks} stage-microbatches "
             f"in flight ({microbatches} microbatches per step)")
     return MemoryPlan(sizes=dict(sizes), params=params, state=state, grads=grads, compute_copies=compute_copies,
                       activations=activations, scan_gradients=0, head=head, peak=peak, notes=(note, ACCURACY_NOTE),
-                      update=update, chunks_in_flight=chunks)
+                      chunks_in_flight=chunks)
 
 
 def predict_pipeline_memory(cfg: TrainConfig, sizes: dict[str, int]) -> Optional[MemoryPlan]:

@@ -40,7 +40,7 @@ from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
 from lmfunc.train.params import initial_params
 from lmfunc.train.pipeline_run import gather_pipeline_params, initial_rank_params, pipeline_rank
-from lmfunc.train.pipeline_step import compiles_stages, make_pipeline_eval_step, make_pipeline_train_step
+from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.train.profiling import StepProfiler
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
@@ -247,16 +247,15 @@ class _Run:
         self.train_step = make_pipeline_train_step(
             cfg.model, tx, pipe.split, pipe.schedule, microbatches, clip_grad=cfg.optim.clip_grad,
             lr_schedule=schedule, compute_dtype=dtype, loss_scale=loss_scale, device=device, compile=compile,
-            mesh=pipe.mesh)
+            mesh=pipe.mesh, donate_state=True)
         self.eval_step = make_pipeline_eval_step(cfg.model, pipe.split, pipe.schedule, microbatches,
                                                  compute_dtype=dtype, device=device, compile=compile, mesh=pipe.mesh)
         self.logger.echo(f"pipeline: {pipe.schedule} over pp {pipe.split.pp} ({pipe.split.num_stages} stages, "
                          f"{microbatches} microbatches per step); rank 0 runs "
                          + ", ".join(f"stage {s}: layers {list(pipe.split.layers[s])}"
                                      for s in pipe.split.stages_of_rank(0))
-                         + ("; each stage's forward and backward compiled" if compiles_stages(pipe.schedule, compile)
-                            else "; the stages run eagerly")
-                         + ("; the update compiled" if compile else ""))
+                         + ("; each stage's forward and backward and the update compiled" if compile
+                            else "; eager"))
 
     def _train_batch(self, start: int) -> tuple[int, dict]:
         microbatches = self.plan.num_microbatches_at(start)

@@ -30,11 +30,13 @@ signature: ``state.params`` is this rank's part of the parameter tree (the union
   reduced over the pipeline group, so every rank clips by the same factor and skips the same steps.
 - **What is compiled.** The schedule drives each stage's forward and backward microbatch by
   microbatch, so a step is not one graph here. With ``compile`` each stage's function is compiled
-  (``torch.compile``; AOTAutograd compiles its backward; not under the split-backward schedules,
-  ``compiles_stages``), and the update (unscaling, the overflow
+  (``torch.compile``; AOTAutograd compiles its backward), and the update (unscaling, the overflow
   flag, the norm and its all-reduce over the pipeline, clipping, AdamW, the loss scaler) is one
-  compiled function of this rank's state (``lmfunc.compiler.compile_step``). Without it all of
-  this runs eagerly.
+  compiled function of this rank's state (``lmfunc.compiler.compile_step``). The schedules that
+  split the backward (``SPLIT_BACKWARD``) run each compiled backward twice, for the input and then
+  the weight gradients, so their stages compile and run under
+  ``lmfunc.compiler.compiling.retained_backward_settings``. Without ``compile`` all of this runs
+  eagerly.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSplit, check_schedule_model
-from lmfunc.compiler.compiling import compile_settings, compile_step
+from lmfunc.compiler.compiling import compile_settings, compile_step, retained_backward_settings
 from lmfunc.loss import lm_loss_of_hidden
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
@@ -60,7 +62,8 @@ from lmfunc.precision import LossScaleConfig, all_finite
 from lmfunc.model.stages import shared_leaves, stage_params
 from lmfunc.train.pipeline_stages import StageModule
 from lmfunc.train.state import TrainState
-from lmfunc.train.step import Batch, Metrics, microbatch_seed, check_batch, skip_on_overflow
+from lmfunc.train.step import (Batch, Metrics, check_batch, check_no_shared_storage, microbatch_seed, skip_on_overflow,
+                               write_into)
 from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
 
 
@@ -79,6 +82,7 @@ def make_pipeline_train_step(
     device: torch.device = torch.device("cpu"),
     compile: bool = False,
     mesh: Optional[DeviceMesh] = None,
+    donate_state: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build this pipeline rank's ``step(state, batch) -> (state, metrics)`` (module docstring) for
     ``schedule`` (``lmfunc.config.pipeline.SCHEDULES``) over ``group`` (default: the world), with
@@ -89,7 +93,11 @@ def make_pipeline_train_step(
     ``mesh``: the run's mesh, a ``pp`` dim with data- and tensor-parallel dims beside it (instead of
     ``group``). The state's leaves are then DTensors on the other dims (``data_mesh``), the batch is
     this rank's data-parallel part ``[M, B / dp, S]`` (plain tensors), and the token count, the
-    gradients' data-parallel reductions and the metrics cover the whole mesh."""
+    gradients' data-parallel reductions and the metrics cover the whole mesh.
+
+    ``donate_state``: the update writes the new params and optimizer state into the input state's
+    tensors, as ``make_train_step(donate_state=True)`` does; compiled, it then needs no second copy
+    of this rank's params and Adam moments. The input state must not be used afterwards."""
     if cfg.scan_layers:
         raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
     check_schedule_model(schedule, cfg.tie_embeddings)
@@ -98,7 +106,6 @@ def make_pipeline_train_step(
     if world != split.pp:
         raise ValueError(f"the pipeline group has {world} ranks but the split has parallel.pp = {split.pp}")
     dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
-    compile_stages = compiles_stages(schedule, compile)
 
     def objective(params, hidden, micro, dropout_seed, grad_scale):
         out = lm_loss_of_hidden(params, hidden, micro, cfg, dropout_seed, grad_scale, True)
@@ -124,13 +131,13 @@ def make_pipeline_train_step(
         first_call = not modules
         if first_call:
             runtime["schedule"] = _build_schedule(state.params, cfg, split, schedule, num_microbatches, group, device,
-                                                  compute_dtype, objective, modules, compile_stages, data)
+                                                  compute_dtype, objective, modules, compile, data)
         for stage, module in modules.items():
             module.bind(stage_params(state.params, cfg, split, stage), grad_scale)
         seeds = (torch.stack([microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
                  if dropout else None)
         args, kwargs = _schedule_inputs(batch, seeds, first_rank == rank, last_rank == rank)
-        with _schedule_context(compile_stages and first_call, data is not None):
+        with _schedule_context(compile, first_call, schedule, data is not None):
             runtime["schedule"].step(*args, **kwargs)
         grads = _gather_grads(state.params, modules)
         if data is not None:
@@ -142,13 +149,16 @@ def make_pipeline_train_step(
         sums = _metric_sums(modules, num_micro, 1 + 2 * cfg.mtp_num_layers, device, lambda out: torch.cat(
             [out.loss_sum.reshape(1), out.mtp_loss_sums, out.mtp_num_tokens]))
         dp = data_parallel_size(data)
+        if donate_state:
+            check_no_shared_storage((state.params, state.opt_state))
         with implicit_replication() if data is not None else contextlib.nullcontext():
             return run_update(state, grads, sums, normaliser, num_tokens, num_micro * micro_batch * dp)
 
     def update(state: TrainState, grads: PyTree, sums: torch.Tensor, normaliser: torch.Tensor,
                num_tokens: torch.Tensor, consumed: int) -> tuple[TrainState, Metrics]:
         return _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens,
-                       counted=lambda path: path not in shared or rank == first_rank, consumed=consumed)
+                       counted=lambda path: path not in shared or rank == first_rank, consumed=consumed,
+                       donate=donate_state)
 
     run_update = compile_step(update, bucket_size_mb=None) if compile else update
     step.schedule = lambda: runtime.get("schedule")  # torch's schedule object, once built (benchmarks)
@@ -156,13 +166,17 @@ def make_pipeline_train_step(
 
 
 @contextlib.contextmanager
-def _schedule_context(compiling: bool, on_mesh: bool):
-    """Around a schedule call: ``compile_settings`` while the stages compile (their backward compiles
-    at the first backward, inside the call), and ``implicit_replication`` on a data mesh (plain
-    tensors made inside the stages count as replicated)."""
+def _schedule_context(compiled: bool, first_call: bool, schedule: str, on_mesh: bool):
+    """Around a schedule call: with ``compiled`` stages, ``compile_settings`` while they compile (on
+    the ``first_call``: their backward compiles at the first backward, inside the call) and, where
+    ``schedule`` splits the backward, ``retained_backward_settings`` on every call;
+    ``implicit_replication`` on a data mesh (plain tensors made inside the stages count as
+    replicated)."""
     with contextlib.ExitStack() as context:
-        if compiling:
+        if compiled and first_call:
             context.enter_context(compile_settings())
+        if compiled and schedule in SPLIT_BACKWARD:
+            context.enter_context(retained_backward_settings())
         if on_mesh:
             context.enter_context(implicit_replication())
         yield
@@ -262,7 +276,6 @@ def make_pipeline_eval_step(
     # schedules; one rank with virtual stages): "can't steal_bwd_input if this stage doesn't have
     # backward". Those evaluate with a whole step, whose gradients are discarded.
     forward_only = all(split.rank_of_stage(s) != split.rank_of_stage(s + 1) for s in range(split.num_stages - 1))
-    compile_stages = compiles_stages(schedule, compile)
 
     def objective(params, hidden, micro, dropout_seed, grad_scale):
         out = lm_loss_of_hidden(params, hidden, micro, cfg)
@@ -276,11 +289,11 @@ def make_pipeline_eval_step(
         first_call = not modules
         if first_call:
             runtime["schedule"] = _build_schedule(params, cfg, split, schedule, num_microbatches, group, device,
-                                                  compute_dtype, objective, modules, compile_stages, data)
+                                                  compute_dtype, objective, modules, compile, data)
         for stage, module in modules.items():
             module.bind(stage_params(params, cfg, split, stage))
         args, kwargs = _schedule_inputs(batch, None, first_rank == rank, last_rank == rank)
-        with _schedule_context(compile_stages and first_call, data is not None):
+        with _schedule_context(compile, first_call, schedule, data is not None):
             if forward_only:
                 with torch.no_grad():
                     runtime["schedule"].eval(*args, **kwargs)
@@ -292,17 +305,6 @@ def make_pipeline_eval_step(
         return {"loss_sum": sums[0], "num_tokens": sums[1]}
 
     return eval_step
-
-
-def compiles_stages(schedule: str, compile: bool) -> bool:
-    """Whether ``compile`` compiles the stages under ``schedule``. The schedules that split the
-    backward (``SPLIT_BACKWARD``) run them eagerly. Their input-gradient pass keeps the graph
-    (``retain_graph``) for the weight pass, which a backward compiled with AOTAutograd's donated
-    buffers refuses. With ``torch._functorch.config.donated_buffer`` off on every step (AOTAutograd
-    reads it when compiling and again in each backward) they run, and one rank holding both
-    stages matches the one-process step; but across two ranks the metrics or evaluation losses
-    (not yet told apart) differ by 2.7e-3 in torch 2.13, where the eager stages match to 1e-7."""
-    return compile and schedule not in SPLIT_BACKWARD
 
 
 def _build_schedule(params: PyTree, cfg: ModelConfig, split: PipelineSplit, schedule: str, num_microbatches: int,
@@ -358,10 +360,11 @@ def _full(x: torch.Tensor) -> torch.Tensor:
 
 
 def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens, counted,
-            consumed):
+            consumed, donate):
     """``make_train_step``'s update of this rank's state, with the norm and overflow flag reduced
     over the pipeline and the loss metrics (``sums``: this rank's summed main and MTP token losses
-    and MTP token counts) summed from the last stage to every rank."""
+    and MTP token counts) summed from the last stage to every rank; with ``donate`` written into
+    the input state's tensors."""
     scale = state.loss_scale.scale if loss_scale is not None else None
     paths = [path for path, _ in flatten_with_paths(grads)]
     leaves = [leaf for _, leaf in flatten_with_paths(grads)]
@@ -391,6 +394,8 @@ def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, c
                                                                           loss_scale, metrics)
     if lr_schedule is not None:
         metrics["lr"] = lr_schedule(optimizer_steps)
+    if donate:
+        params, opt_state = write_into(state.params, params), write_into(state.opt_state, opt_state)
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                               consumed_samples=state.consumed_samples + consumed, loss_scale=new_loss_scale)
     return new_state, metrics
