@@ -4,6 +4,8 @@ all m; 1F1B: at most p on the first rank) and equal ``lmfunc.plan``'s count for 
 
 import re
 
+import pytest
+
 from tests.helpers import run_torchrun
 
 
@@ -12,6 +14,7 @@ def _run(schedule: str, virtual: int, microbatches: int) -> str:
                             str(virtual), "--microbatches", str(microbatches), "--steps", "1"]).stdout
 
 
+@pytest.mark.slow
 def test_sends_and_microbatches_in_flight_per_schedule():
     gpipe = _run("gpipe", 1, 4)
     assert re.search(r"sends 8 expected 8", gpipe), gpipe

@@ -22,6 +22,8 @@ from tests.helpers import run_torchrun
     pytest.param(2, "zero-bubble", 2, 1, 0, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "zbv", 0, 1, 0, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "1f1b", 0, 1, 1, 0, 0, 0, "", marks=pytest.mark.slow),
+    pytest.param(4, "gpipe", 0, 1, 1, 0, 0, 0, "", marks=pytest.mark.slow),
+    pytest.param(4, "zero-bubble", 2, 1, 0, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "1f1b", 0, 1, 1, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "zero-bubble", 2, 1, 0, 0, 1, 0, "", marks=pytest.mark.slow),
