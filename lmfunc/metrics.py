@@ -106,9 +106,9 @@ def allocator_peak_bytes(fn: Callable[[], T], device: str | torch.device = "cpu"
     memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
     if not memory:
         return result, 0
-    # "Total Allocated" is the profiler's running count since its first session in this process:
-    # bytes allocated under an earlier session and freed outside it are never taken off. The
-    # count just before this session's first event is the baseline.
+    # "Total Allocated" is the profiler's running count since the process first profiled memory:
+    # bytes allocated while an earlier profiler was active and freed after it stopped are never
+    # taken off. The count just before this call's first event is the baseline.
     baseline = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
     return result, max(0, max(e["args"]["Total Allocated"] for e in memory) - baseline)
 

@@ -128,8 +128,7 @@ class MemoryPlan:
     def rows(self) -> list[tuple[str, int]]:
         kept = ("activations kept by the layers (1 microbatch)" if self.chunks_in_flight is None else
                 f"activations, {self.chunks_in_flight} stage-microbatches in flight")
-        state = "fp32 params + Adam moments (donated state)"
-        return [(state, self.state), ("fp32 gradients", self.grads),
+        return [("fp32 params + Adam moments (donated state)", self.state), ("fp32 gradients", self.grads),
                 ("compute copies of the params", self.compute_copies),
                 (kept, self.activations),
                 *([("scanned layers' stacked gradients (backward)", self.scan_gradients)] if self.scan_gradients else []),
