@@ -6,8 +6,12 @@
 # Phase 1 runs the plan, the device tests, a bf16 and a TF32 training run and a one-process
 # torchrun (NCCL) run side by side (their compiles share the CPU; their tok/s share the GPU).
 # Phases 2 and 3 run the train-step benchmark alone: the default workload, then GPT-2 small.
+# All three can take 11 minutes, past one device call's 10: PHASES picks some, e.g.
+#   PHASES="1" bash experiments/gpu/recipe.sh, then PHASES="2 3" in a second call.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
+PHASES=${PHASES:-1 2 3}
+runs_phase() { [[ " $PHASES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -23,6 +27,7 @@ export PYTHONPATH=/tmp/lmfunc211:${PYTHONPATH:-}
     echo "cpus $(nproc)"
 } > "$OUT/machine.log" 2>&1
 
+if runs_phase 1; then
 echo "phase 1 $(date +%T)"
 timeout 240 python3 -m lmfunc.plan --precision.compute-dtype bf16 > "$OUT/plan.log" 2>&1 &
 timeout 240 python3 -m pytest -q tests/test_device.py -rs -p no:cacheprovider > "$OUT/pytest.log" 2>&1 &
@@ -34,15 +39,20 @@ timeout 240 torchrun --nproc-per-node 1 -m lmfunc.train --run.device cuda --prec
     --run.train-iters 50 --run.out-dir /tmp/runs/torchrun > "$OUT/torchrun.log" 2>&1 &
 wait
 tail -n 3 "$OUT"/*.log
+fi
 
+if runs_phase 2; then
 echo "phase 2 $(date +%T)"
 timeout 200 python3 -m experiments.bench --device cuda --variants func-compiled module-compiled --repeats 2 \
     --steps 30 > "$OUT/bench.log" 2>&1
 tail -n 12 "$OUT/bench.log"
+fi
 
+if runs_phase 3; then
 echo "phase 3 $(date +%T)"
 timeout 220 python3 -m experiments.bench --device cuda --variants func-compiled module-compiled --repeats 1 \
     --steps 15 --layers 12 --heads 12 --hidden 768 --seq 1024 --vocab 50304 >> "$OUT/bench.log" 2>&1
 tail -n 12 "$OUT/bench.log"
+fi
 (cd /tmp && find runs -name log.jsonl | tar czf "$OUT/runs.tar.gz" -T -)
 echo "done $(date +%T)"
