@@ -99,11 +99,14 @@ def test_train_config_validation_applies_the_pipeline_rules():
         per_microbatch.validate(2)
 
 
-def test_split_backward_schedules_refuse_tied_embeddings():
+def test_split_backward_schedules_refuse_tied_embeddings_with_mtp():
     from lmfunc.config.pipeline import check_schedule_model
 
-    check_schedule_model("1f1b", tie_embeddings=True)
-    check_schedule_model("zbv", tie_embeddings=False)
+    check_schedule_model("1f1b", tie_embeddings=True, mtp_num_layers=1, compiled=False)
+    check_schedule_model("zbv", tie_embeddings=False, mtp_num_layers=1, compiled=False)
+    check_schedule_model("zero-bubble", tie_embeddings=True, mtp_num_layers=0, compiled=False)
+    check_schedule_model("zero-bubble", tie_embeddings=True, mtp_num_layers=1, compiled=True)
     for schedule in ("zero-bubble", "zbv", "dualpipev"):
-        with pytest.raises(ConfigError, match=f"parallel.pp_schedule {schedule} splits the backward.*--model.no-tie-embeddings"):
-            check_schedule_model(schedule, tie_embeddings=True)
+        with pytest.raises(ConfigError, match=f"parallel.pp_schedule {schedule} splits the backward.*"
+                                              "mtp_num_layers = 1.*--model.no-tie-embeddings"):
+            check_schedule_model(schedule, tie_embeddings=True, mtp_num_layers=1, compiled=False)

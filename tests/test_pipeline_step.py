@@ -1,7 +1,9 @@
 """``lmfunc.train.pipeline_step`` against the one-process step: the same losses, gradient norms and
 loss scales at every step and the same final params and Adam moments, per schedule
 (``tests/pipeline_worker.py`` under torchrun, gloo; fp16 to a looser tolerance, see there). The
-split-backward schedules run untied embeddings (``check_schedule_model``). ``compiled``
+split-backward schedules run tied embeddings only without MTP (``check_schedule_model``): the
+tied cases check that the last stage's output-layer gradient, which torch's split backward leaves as
+a transposed view, is summed with the first stage's correctly over the embedding group. ``compiled``
 compiles the stages and the update; ``recompute`` turns on full recompute and a chunked output
 layer; ``mesh`` ("DP_SHARD TP SP") puts the pipeline beside dp_shard and/or tp (pp 2 x 2 on 4 ranks, pp 2 x 2 x 2 on 8),
 where the reference is the same layout without the pipeline."""
@@ -16,6 +18,10 @@ from tests.helpers import run_torchrun
     (2, "interleaved-1f1b", 2, 1, 0, 0, 0, 0, ""),
     (2, "gpipe", 0, 1, 1, 0, 0, 1, ""),
     (4, "gpipe", 0, 1, 1, 0, 0, 0, "1 2 1"),
+    (2, "zero-bubble", 2, 0, 1, 0, 0, 0, ""),
+    pytest.param(4, "zero-bubble", 2, 0, 1, 0, 0, 0, "2 1 0", marks=pytest.mark.slow),
+    pytest.param(4, "zero-bubble", 2, 1, 0, 0, 0, 0, "1 2 1", marks=pytest.mark.slow),
+    pytest.param(2, "dualpipev", 0, 0, 1, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "1f1b", 0, 1, 1, 0, 0, 0, "2 1 0", marks=pytest.mark.slow),
     pytest.param(1, "gpipe", 0, 1, 1, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "gpipe", 0, 1, 1, 1, 0, 0, "", marks=pytest.mark.slow),
@@ -26,7 +32,7 @@ from tests.helpers import run_torchrun
     pytest.param(4, "zero-bubble", 2, 1, 0, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "1f1b", 0, 1, 1, 0, 1, 0, "", marks=pytest.mark.slow),
-    pytest.param(2, "zero-bubble", 2, 1, 0, 0, 1, 0, "", marks=pytest.mark.slow),
+    pytest.param(2, "zero-bubble", 2, 1, 1, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "zbv", 0, 1, 0, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "interleaved-1f1b", 2, 1, 0, 0, 0, 0, "2 1 0", marks=pytest.mark.slow),
     pytest.param(4, "gpipe", 0, 1, 1, 1, 0, 0, "1 2 0", marks=pytest.mark.slow),

@@ -143,14 +143,20 @@ SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")
 """Schedules that split each backward into an input-gradient and a weight-gradient pass."""
 
 
-def check_schedule_model(schedule: str, tie_embeddings: bool) -> None:
-    """Reject model settings a schedule gets wrong: torch's split backward (``SPLIT_BACKWARD``)
-    miscomputes the gradient of the tied output layer, a transposed view of the token embedding
-    (measured: 97% relative error in the embedding's Adam moments after one step)."""
-    if schedule in SPLIT_BACKWARD and tie_embeddings:
+def check_schedule_model(schedule: str, tie_embeddings: bool, mtp_num_layers: int, compiled: bool) -> None:
+    """Reject model settings a schedule cannot run: torch's split backward (``SPLIT_BACKWARD``)
+    computes each weight gradient from the nodes where it joins the input's path, one parameter
+    group after another, each freeing its part of the graph. With tied embeddings and MTP the last
+    stage reads the token embedding twice (the MTP lookup and the output layers), and in an eager
+    stage that embedding's group evidently runs through nodes another group has freed: torch 2.13 stops with
+    "Trying to backward through the graph a second time". A compiled stage is one autograd node,
+    so all its weights form one group and it runs."""
+    if schedule in SPLIT_BACKWARD and tie_embeddings and mtp_num_layers > 0 and not compiled:
         raise ConfigError(f"parallel.pp_schedule {schedule} splits the backward into input and weight passes, which "
-                          "gets the tied output layer's gradient wrong in torch 2.13; untie the embeddings "
-                          "(--model.no-tie-embeddings) or choose gpipe, 1f1b or interleaved-1f1b")
+                          "torch 2.13 cannot run on an eager stage that reads the tied token embedding twice (MTP "
+                          f"with model.mtp_num_layers = {mtp_num_layers} and tied embeddings); compile the stages "
+                          "(--run.compile), untie the embeddings (--model.no-tie-embeddings), turn MTP off, or choose "
+                          "gpipe, 1f1b or interleaved-1f1b")
 
 
 def check_microbatches(schedule: str, split: PipelineSplit, microbatches: int) -> None:

@@ -133,7 +133,7 @@ def _validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
                        "set --parallel.pp to 2 or more, or drop them")
     split = pipeline_split(cfg.model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
                            p.pp_last_stage_layers)
-    check_schedule_model(p.pp_schedule, cfg.model.tie_embeddings)
+    check_schedule_model(p.pp_schedule, cfg.model.tie_embeddings, cfg.model.mtp_num_layers, cfg.run.compile)
     run = cfg.run
     _require(run.rampup_batch_size is None,
              f"run.rampup_batch_size ({run.rampup_batch_size}) with parallel.pp = {p.pp}: a pipeline schedule is "

@@ -31,14 +31,17 @@ class StageModule(nn.Module):
     On a ``data_mesh`` (the data- and tensor-parallel dims of this pipeline rank) the leaves are
     DTensors and the stage takes and returns plain local tensors, this rank's part of each
     microbatch (``stage_placements``): inside they become DTensors, so the model runs exactly as
-    without a pipeline, and the placements' autograd reduces the gradients."""
+    without a pipeline, and the placements' autograd reduces the gradients. ``split_backward``
+    (schedules that split the backward, which detach each stage output in place after its input
+    pass) makes those local outputs tensors of their own: a DTensor's local tensor is a view, and a
+    view cannot be detached in place."""
 
     def __init__(self, template: PyTree, cfg: ModelConfig, split: PipelineSplit, stage: int,
                  compute_dtype: torch.dtype, objective: Callable, compile: bool,
-                 data_mesh: Optional[DeviceMesh] = None) -> None:
+                 data_mesh: Optional[DeviceMesh] = None, split_backward: bool = False) -> None:
         super().__init__()
         self.template, self.cfg, self.split, self.stage = template, cfg, split, stage
-        self.data_mesh = data_mesh
+        self.data_mesh, self.split_backward = data_mesh, split_backward
         self.paths = [path for path, _ in flatten_with_paths(template)]
         self.weights = nn.ParameterList(nn.Parameter(leaf.detach(), requires_grad=leaf.is_floating_point())
                                         for _, leaf in flatten_with_paths(template))
@@ -63,7 +66,13 @@ class StageModule(nn.Module):
                 weight.data = leaf.detach()
 
     def grads(self) -> list[torch.Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.weights]
+        """Each leaf's gradient after a schedule step (zeros for a leaf it never reached), laid out
+        like the leaf. torch's split backward (``stage_backward_weight``) stores the gradient it
+        computes as it comes, so the tied output layer's, computed for the transposed view ``E.T``,
+        arrives as a transposed view of a ``[h, V]`` buffer; collectives read a tensor's storage
+        in order (gloo's all-reduce sums such a view with the other rank's ``[V, h]`` gradient
+        element by storage element, silently), and the update expects the leaf's layout."""
+        return [_like(p.grad, p) if p.grad is not None else torch.zeros_like(p) for p in self.weights]
 
     def forward(self, x, position_ids, seed, doc_ids=None, labels=None, loss_mask=None, tokens=None):
         result = self.run(list(self.weights), x, position_ids, seed, doc_ids, labels, loss_mask, tokens,
@@ -93,7 +102,7 @@ class StageModule(nn.Module):
                 return hidden
             if list(hidden.placements) != hidden_placements:
                 hidden = hidden.redistribute(mesh, hidden_placements)
-            return hidden.to_local()
+            return hidden.to_local().clone() if self.split_backward else hidden.to_local()
         micro = {"tokens": tokens, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
         if loss_mask is not None:
             micro["loss_mask"] = loss_mask
@@ -105,6 +114,20 @@ class StageModule(nn.Module):
             value = value.to_local(grad_placements=[Replicate()] * mesh.ndim)
         # the fields are metrics only: detached, so a compiled stage's backward needs no tangent for them
         return (value, *(field.detach() for field in out))
+
+
+def _like(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``leaf``'s memory layout (for DTensors, of the local shards): itself when the
+    strides match, else a copy."""
+    if isinstance(grad, DTensor):
+        local = grad.to_local()
+        if local.stride() == leaf.to_local().stride():
+            return grad
+        return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements, run_check=False,
+                                  shape=grad.shape, stride=leaf.stride())
+    if grad.stride() == leaf.stride():
+        return grad
+    return torch.empty_like(leaf, dtype=grad.dtype).copy_(grad)
 
 
 def stage_placements(mesh: DeviceMesh, sequence_parallel: bool) -> tuple[list, list]:

@@ -100,7 +100,7 @@ def make_pipeline_train_step(
     of this rank's params and Adam moments. The input state must not be used afterwards."""
     if cfg.scan_layers:
         raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
-    check_schedule_model(schedule, cfg.tie_embeddings)
+    check_schedule_model(schedule, cfg.tie_embeddings, cfg.mtp_num_layers, compile)
     group, data = _groups(group, mesh)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world != split.pp:
@@ -316,7 +316,7 @@ def _build_schedule(params: PyTree, cfg: ModelConfig, split: PipelineSplit, sche
     my_stages = split.stages_of_rank(dist.get_rank(group))
     for stage in my_stages:
         modules[stage] = StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
-                                      objective, compile, data_mesh)
+                                      objective, compile, data_mesh, split_backward=schedule in SPLIT_BACKWARD)
     stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group) for s in my_stages]
     loss_fn = lambda output, target: output.sum()  # noqa: E731
     schedule_cls = getattr(pipelining, SCHEDULES[schedule][0])
