@@ -76,7 +76,7 @@ def test_every_readme_train_command_is_a_valid_config(monkeypatch):
     from lmfunc.train.cli import parse_args
 
     runs = [args for args in map(train_arguments, readme_commands()) if args is not None]
-    assert len(runs) >= 12 and sum(n > 1 for n, _ in runs) == 5
+    assert len(runs) >= 12 and sum(n > 1 for n, _ in runs) == 6
     monkeypatch.chdir(ROOT)
     for processes, flags in runs:
         monkeypatch.setenv("WORLD_SIZE", str(processes))

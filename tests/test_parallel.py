@@ -141,12 +141,13 @@ def test_training_command_gives_the_same_losses_on_any_layout(tmp_path, torchrun
               "--log.peak-flops", "1e11", "--data.cache-dir", str(tmp_path / "cache")]
     logs = {}
     for name, nproc, extra in (("single", 1, []), ("fsdp", 2, ["--parallel.dp-shard", "2"]),
-                               ("tp_sp", 2, ["--parallel.tp", "2", "--model.sequence-parallel"])):
+                               ("tp_sp", 2, ["--parallel.tp", "2", "--model.sequence-parallel"]),
+                               ("cp", 2, ["--parallel.cp", "2"])):
         torchrun(nproc, common + ["--run.name", name] + extra)
         logs[name] = [(r["kind"], r["step"], r["loss"]) for r in read_log(str(tmp_path / name / "log.jsonl"))
                       if r["kind"] in ("train", "valid")]
     assert len(logs["single"]) == 5
-    for name in ("fsdp", "tp_sp"):
+    for name in ("fsdp", "tp_sp", "cp"):
         for (kind, step, loss), (_, _, want) in zip(logs[name], logs["single"]):
             assert loss == pytest.approx(want, rel=1e-5), (name, kind, step)
     assert os.path.exists(tmp_path / "fsdp" / "model.safetensors")

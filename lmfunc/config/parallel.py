@@ -50,6 +50,11 @@ def check_divisibility(sizes: dict[str, int], model: ModelConfig, seq_length: Op
     ]
     if seq_length is not None:
         checks.append(("data.seq_length", seq_length, "parallel.tp x parallel.cp", tp * cp))
+        if cp > 1:
+            sp = model.sequence_parallel and tp > 1
+            checks.append(("data.seq_length", seq_length,
+                           "2 x parallel.cp" + (" x parallel.tp (sequence parallel)" if sp else "")
+                           + ", the load-balanced chunks", 2 * cp * (tp if sp else 1)))
     for name, value, by_name, by in checks:
         if by > 1 and value % by:
             raise ConfigError(f"{name} ({value}) is not divisible by {by_name} ({by}); choose sizes that divide it")
@@ -70,7 +75,9 @@ class ParallelConfig:
     pipeline schedules (``lmfunc.train.pipeline_step``), beside dp_replicate, dp_shard and tp (each
     pipeline rank's leaves sharded over those dims as without a pipeline)."""
     cp: int = 1
-    """Context-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
+    """Context-parallel size: each sequence split over cp ranks in Megatron's load-balanced order
+    (2 x cp chunks, rank r holding chunks r and 2cp-1-r), attention over keys and values gathered
+    over cp (``lmfunc.parallel.context``)."""
     ep: int = 1
     """Expert-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
     virtual_stages: Optional[int] = None

@@ -147,11 +147,21 @@ def _validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
             check_microbatches(p.pp_schedule, split, run.global_batch_size // per_rank)
 
 
+def _validate_context_parallel(cfg: TrainConfig) -> None:
+    """What context parallelism (``parallel.cp > 1``) does not run with, named."""
+    cp, m = cfg.parallel.cp, cfg.model
+    _require(cfg.parallel.pp == 1, f"parallel.cp = {cp} with parallel.pp = {cfg.parallel.pp}: pipeline stages do not "
+                                   "split sequences yet; use one of them")
+    _require(m.attention_dropout == 0.0,
+             f"model.attention_dropout = {m.attention_dropout} with parallel.cp = {cp}: the attention over keys "
+             "gathered across cp has no dropout; set --model.attention-dropout 0")
+
+
 def untrainable_features(cfg: TrainConfig) -> list[str]:
     """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet, each named
     with its value (empty when the run is trainable)."""
     p, m = cfg.parallel, cfg.model
-    found = [f"parallel.{name} = {getattr(p, name)}" for name in ("cp", "ep") if getattr(p, name) != 1]
+    found = [f"parallel.ep = {p.ep}"] if p.ep != 1 else []
     if m.num_experts is not None:
         found.append(f"model.num_experts = {m.num_experts} (MoE)")
     if m.multi_latent_attention:
@@ -167,7 +177,9 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     if not planning:
         missing = untrainable_features(cfg)
         _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
-                              "lmfunc.plan plans such runs); dp_replicate, dp_shard, tp and pp are")
+                              "lmfunc.plan plans such runs); dp_replicate, dp_shard, cp, tp and pp are")
+    if cfg.parallel.cp > 1:
+        _validate_context_parallel(cfg)
     _require(not cfg.model.scan_layers or world_size == 1,
              f"model.scan_layers runs on one process only (this run has {world_size}): torch's scan does "
              "not take the DTensor parameters of a parallel layout yet; turn it off (--model.no-scan-layers) "

@@ -21,6 +21,7 @@ from lmfunc.loss.aux import attach_aux_loss
 from lmfunc.loss.chunked_output import chunked_output_layer_loss
 from lmfunc.model import mtp
 from lmfunc.model.layers import upcast
+from lmfunc.parallel.context import is_context_parallel
 from lmfunc.parallel.placement import vocab_parallel
 
 
@@ -32,12 +33,28 @@ def masked_cross_entropy(
     Returns ``(sum over tokens of mask * loss, sum of mask)`` as scalars; the mean is their
     ratio. Without a mask every token counts. Logits are upcast to at least fp32 first.
     """
+    if is_context_parallel(logits):
+        return _sequence_split_cross_entropy(upcast(logits), labels, loss_mask)
     with vocab_parallel(logits):
         per_token = F.cross_entropy(upcast(logits).flatten(0, -2), labels.flatten(), reduction="none")
     if loss_mask is None:
         count = torch.tensor(float(per_token.numel()), dtype=per_token.dtype, device=per_token.device)
         return per_token.sum(), count
     mask = loss_mask.flatten().to(per_token.dtype)
+    return (per_token * mask).sum(), mask.sum()
+
+
+def _sequence_split_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                                  loss_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_cross_entropy`` of logits ``[B, S, V]`` whose sequence is split over ``cp``, without
+    flattening ``[B, S]`` (a DTensor split along S cannot be flattened into B x S without gathering
+    it): the cross entropy of ``[B, V, S]``, vocab-parallel when the vocabulary is split over ``tp``."""
+    with vocab_parallel(logits):
+        per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    if loss_mask is None:
+        count = torch.tensor(float(per_token.numel()), dtype=per_token.dtype, device=labels.to_local().device)
+        return per_token.sum(), count
+    mask = loss_mask.to(per_token.dtype)
     return (per_token * mask).sum(), mask.sum()
 
 
@@ -141,7 +158,7 @@ def lm_loss_of_hidden(
     positions, doc_ids = batch.get("position_ids"), batch.get("doc_ids")
     mtp_sums, mtp_counts = [], []
     if cfg.mtp_num_layers > 0 and mtp_grad_scale is not None:
-        mask = loss_mask.to(torch.float32) if loss_mask is not None else torch.ones(labels.shape, device=labels.device)
+        mask = loss_mask.to(torch.float32) if loss_mask is not None else torch.ones_like(labels, dtype=torch.float32)
         depth_labels, depth_mask, main_count = labels, mask, mask.sum()
         # d(objective)/d(depth k's loss sum), as mtp_aux_loss defines the objective
         aux_grad = mtp_grad_scale * (cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)

@@ -239,12 +239,10 @@ def forward(
         only when it is given, and is a pure function of it.
     """
     _check_inputs(tokens, cfg, positions, doc_ids)
-    if positions is None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    positions, mask = layers.positions_and_mask(tokens, positions, doc_ids)
     x = embed_input(params, tokens, positions, cfg, dropout_seed)
     with region("embed"):
         rope = rope_for(positions, cfg)
-    mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
     if cfg.scan_layers:
         run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
         x = _scan_blocks(run_block, params["layers"], x, cfg, rope, mask, dropout_seed)

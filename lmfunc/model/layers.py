@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from lmfunc.config import ModelConfig
 from lmfunc.model.recompute import checkpointed
+from lmfunc.parallel.context import (ContextMask, context_mask, context_parallel_attention, is_context_parallel,
+                                     token_index)
 from lmfunc.parallel.placement import gather, run_local
 
 Params = dict
@@ -114,11 +116,32 @@ def attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (causal & same_doc)[:, None]
 
 
+Mask = Union[None, torch.Tensor, ContextMask]
+"""What attention masks with: None (causal), ``attention_mask``'s ``[B, 1, S, S]``, or, for a
+sequence split over ``cp``, the tokens' original indices and document ids (``ContextMask``)."""
+
+
+def positions_and_mask(tokens: torch.Tensor, positions: Optional[torch.Tensor],
+                       doc_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, Mask]:
+    """The positions of ``tokens`` ``[B, S]`` (``positions``, or by default each token's index) and
+    the attention mask of its layers. A sequence split over ``cp`` (``lmfunc.parallel.context``) is
+    held in load-balanced order, so its default positions are the tokens' original indices, and
+    its mask is a ``ContextMask``."""
+    if is_context_parallel(tokens):
+        index = token_index(tokens)
+        return (index if positions is None else positions), context_mask(index, doc_ids)
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return positions, (attention_mask(doc_ids) if doc_ids is not None else None)
+
+
 def _attention_core(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
     cfg: ModelConfig, seed: Optional[torch.Tensor], stream: Stream,
 ) -> torch.Tensor:
     """Softmax attention. q ``[B, a, S, d]``, k/v ``[B, g, S, d]`` -> ``[B, a, S, d]``."""
+    if isinstance(mask, ContextMask):
+        return context_parallel_attention(q, k, v, mask)
     if cfg.attention_dropout > 0.0 and seed is not None:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -165,12 +188,12 @@ def project_out(p: Params, heads_out: torch.Tensor, cfg: ModelConfig) -> torch.T
 
 def attention(
     p: Params, x: torch.Tensor, cfg: ModelConfig,
-    rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Optional[torch.Tensor],
+    rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Mask,
     seed: Optional[torch.Tensor] = None, stream: Stream = 0,
 ) -> torch.Tensor:
     """Causal self-attention (MHA/GQA/MQA) ``[B, S, h] -> [B, S, h]``.
 
-    ``mask`` is None (plain causal) or the boolean ``[B, 1, S, S]`` from ``attention_mask``.
+    ``mask``: see ``Mask`` (``positions_and_mask`` makes it).
     """
     q, k, v = project_qkv(p, x, cfg, rope)
     core = checkpointed(_attention_core) if cfg.recompute_granularity == "selective" else _attention_core

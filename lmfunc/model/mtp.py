@@ -16,12 +16,17 @@ import torch
 from lmfunc.config import ModelConfig
 from lmfunc.model import gpt, layers
 from lmfunc.model.recompute import checkpointed
+from lmfunc.parallel import context
+from lmfunc.parallel.context import is_context_parallel
 from lmfunc.parallel.placement import compute_layout, gather, residual_layout
 
 
 def roll_left(x: torch.Tensor) -> torch.Tensor:
     """Shift ``x`` one position left along the last dim, filling the last position with 0
-    (Megatron's ``roll_tensor``: ``torch.roll(x, -1, -1)`` with the wrapped value zeroed)."""
+    (Megatron's ``roll_tensor``: ``torch.roll(x, -1, -1)`` with the wrapped value zeroed); a
+    sequence split over ``cp`` is shifted in its original order (``lmfunc.parallel.context``)."""
+    if is_context_parallel(x):
+        return context.roll_left(x)
     return torch.cat([x[..., 1:], torch.zeros_like(x[..., :1])], dim=-1)
 
 
@@ -37,11 +42,8 @@ def forward(
     """The MTP hidden states ``[h^1, ..., h^D]``, each ``[B, S, h]``, from the decoder output
     ``hidden`` ``[B, S, h]`` and its input ``tokens`` ``[B, S]`` (positions/doc_ids as in
     ``gpt.forward``)."""
-    seq = tokens.shape[1]
-    if positions is None:
-        positions = torch.arange(seq, device=tokens.device)
+    positions, mask = layers.positions_and_mask(tokens, positions, doc_ids)
     rope = gpt.rope_for(positions, cfg)
-    mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
     run_block = checkpointed(gpt.block) if cfg.recompute_granularity == "full" else gpt.block
     ids, pos, h = tokens, positions, hidden
     outputs = []

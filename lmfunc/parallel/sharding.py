@@ -17,6 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from lmfunc.parallel.context import CP_DIM, context_part
 from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path
 
@@ -90,8 +91,16 @@ def init_sharded(specs: PyTree, make_leaf: Callable[[str, Any], torch.Tensor], m
 
 
 def local_batch_to_dtensor(batch: dict, mesh: DeviceMesh, batch_dim: int = 1) -> dict:
-    """This rank's slice of a batch (``[M, B_local, S]`` tensors) as DTensors of the global batch."""
-    placements = [Shard(batch_dim) if name in DATA_PARALLEL_DIMS else Replicate() for name in mesh.mesh_dim_names]
+    """This rank's data-parallel slice of a batch (``[M, B_local, S]`` tensors of whole sequences) as
+    DTensors of the global batch. On a mesh with a ``cp`` dim each sequence is put in Megatron's
+    load-balanced order (``lmfunc.parallel.context``) and split over ``cp``: the rank keeps its two
+    chunks of every field."""
+    names = list(mesh.mesh_dim_names)
+    placements = [Shard(batch_dim) if name in DATA_PARALLEL_DIMS else Replicate() for name in names]
+    if CP_DIM in names:
+        cp, rank = mesh.size(names.index(CP_DIM)), mesh.get_local_rank(CP_DIM)
+        placements[names.index(CP_DIM)] = Shard(batch_dim + 1)
+        batch = {k: context_part(v, cp, rank) for k, v in batch.items()}
     return {k: DTensor.from_local(v, mesh, placements, run_check=False) for k, v in batch.items()}
 
 
