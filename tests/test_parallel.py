@@ -153,7 +153,8 @@ def test_training_command_gives_the_same_losses_on_any_layout(tmp_path, torchrun
     assert os.path.exists(tmp_path / "fsdp" / "model.safetensors")
 
 
-@pytest.mark.parametrize("layout, extra", [("dp_shard=2", []), ("tp=2", ["--no-comm-compiled"]),
+@pytest.mark.parametrize("layout, extra", [pytest.param("dp_shard=2", [], marks=pytest.mark.slow),
+                                           ("tp=2", ["--no-comm-compiled"]),
                                            ("tp=2", ["--sequence-parallel", "--no-comm-compiled"])])
 def test_comm_report_counts_equal_the_expected_ones(layout, extra, tmp_path, torchrun):
     """Eager per-leaf counts on every layout; the compiled step's bucketed counts where lmfunc
