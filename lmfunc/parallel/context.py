@@ -57,12 +57,16 @@ def from_order(x: torch.Tensor, order: torch.Tensor, dim: int = -1) -> torch.Ten
     return x.index_select(dim, torch.argsort(order).to(x.device))
 
 
+def _rank_order(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The original indices ``[S / cp]`` of the tokens rank ``rank`` holds (``load_balanced_order``)."""
+    part = seq_len // cp
+    return load_balanced_order(seq_len, cp, device)[rank * part:(rank + 1) * part]
+
+
 def context_part(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s part of whole sequences ``x`` ``[..., S]``: its two load-balanced chunks
     ``[..., S / cp]``, in that order."""
-    seq = x.shape[-1]
-    part = seq // cp
-    return to_order(x, load_balanced_order(seq, cp)[rank * part:(rank + 1) * part])
+    return to_order(x, _rank_order(x.shape[-1], cp, rank))
 
 
 def roll_left(x: DTensor) -> DTensor:
@@ -94,9 +98,7 @@ def token_index(tokens: DTensor) -> DTensor:
     mesh = tokens.device_mesh
     names = list(mesh.mesh_dim_names)
     cp, rank = mesh.size(names.index(CP_DIM)), mesh.get_local_rank(CP_DIM)
-    seq = tokens.shape[-1]
-    part = seq // cp
-    order = load_balanced_order(seq, cp, device=tokens.to_local().device)[rank * part:(rank + 1) * part]
+    order = _rank_order(tokens.shape[-1], cp, rank, tokens.to_local().device)
     placements = [Shard(0) if name == CP_DIM else Replicate() for name in names]
     return DTensor.from_local(order, mesh, placements, run_check=False)
 
@@ -118,7 +120,11 @@ def context_mask(index: DTensor, doc_ids: Optional[DTensor]) -> ContextMask:
     ids ``doc_ids`` ``[B, S]`` (or None), both split over ``cp``."""
     mesh = index.device_mesh
     key_docs = None if doc_ids is None else doc_ids.redistribute(mesh, _on_cp(doc_ids, Replicate()))
-    return ContextMask(index, index.redistribute(mesh, _on_cp(index, Replicate())), doc_ids, key_docs)
+    # every rank knows the whole order: made here, not gathered
+    cp = mesh.size(list(mesh.mesh_dim_names).index(CP_DIM))
+    whole = load_balanced_order(index.shape[0], cp, index.to_local().device)
+    key_index = DTensor.from_local(whole, mesh, _on_cp(index, Replicate()), run_check=False)
+    return ContextMask(index, key_index, doc_ids, key_docs)
 
 
 def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_index: torch.Tensor,
