@@ -4,10 +4,11 @@ over DTensors on a ``dp_shard x cp x tp`` mesh, whose batch is each sequence in 
 split over ``cp`` (``local_batch_to_dtensor``). It checks the first microbatch's gradients (rel L2
 1e-6 per leaf), the metrics at every step, and the final params and Adam moments.
 
-``python -m tests.context_worker DP_SHARD CP TP SP MTP DOCS [COMPILE]``: mesh sizes (world = their
-product), SP 0/1 sequence parallelism over tp, MTP the number of MTP depths, DOCS 0/1 documents
-packed into each sequence (position ids restarting after each EOD, a document-masked attention
-and EOD-masked loss), COMPILE 0/1 the step compiled. No dropout: its masks follow the element
+``python -m tests.context_worker DP_SHARD CP TP SP MTP DOCS [COMPILE [RECOMPUTE]]``: mesh sizes
+(world = their product), SP 0/1 sequence parallelism over tp, MTP the number of MTP depths, DOCS
+0/1 documents packed into each sequence (position ids restarting after each EOD, a
+document-masked attention and EOD-masked loss), COMPILE 0/1 the step compiled, RECOMPUTE the
+split run's ``recompute_granularity`` (none, selective or full; the reference recomputes nothing). No dropout: its masks follow the element
 index, which a load-balanced sequence permutes.
 """
 
@@ -76,6 +77,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     dp, cp, tp, sp, mtp, docs = (int(a) for a in sys.argv[1:7])
     compiled = len(sys.argv) > 7 and bool(int(sys.argv[7]))
+    recompute = sys.argv[8] if len(sys.argv) > 8 else "none"
     dist.init_process_group("gloo")
     sizes = {name: size for name, size in (("dp_shard", dp), ("cp", cp), ("tp", tp)) if size > 1}
     mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
@@ -85,7 +87,7 @@ def main() -> None:
     params = model.init(cfg, seed=0)
     tx = adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     reference = make_train_step(cfg, tx, compile=False)
-    split = make_train_step(cfg, tx, compile=compiled)
+    split = make_train_step(dataclasses.replace(cfg, recompute_granularity=recompute), tx, compile=compiled)
     whole = TrainState.create(params, tx)
     mine = TrainState.create(shard_params(params, model.param_axes(cfg), mesh), tx)
     check_gradients(params, mine.params, batch_of(0, cfg.vocab_size, bool(docs)), cfg, mesh, dp_rank, dp)

@@ -6,12 +6,13 @@ the same names and live in the tensors it started with (donated), and that the
 pipeline's forward-only evaluation (``make_pipeline_eval_step``) gives the one-process
 ``make_eval_step``'s loss before the first step and after the last.
 
-``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16 [COMPILE [RECOMPUTE [DP_SHARD TP SP]]]``:
+``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16 [COMPILE [RECOMPUTE [DP_SHARD TP SP [CP]]]]``:
 VIRTUAL 0 for none; MTP, TIE, FP16, COMPILE (the stages and the update compiled) and RECOMPUTE (full
-recompute and the output layer in chunks of 8 tokens) 0/1, the last two 0 by default. DP_SHARD and
-TP (default 1) put the pipeline on a mesh ``pp x dp_shard x tp`` (pp = world / (DP_SHARD x TP)): the
-state is DTensors sharded by lmfunc's rules on each pipeline rank, each data-parallel rank takes its
-part of every microbatch, and SP 1 turns on sequence parallelism. The reference is then the same
+recompute and the output layer in chunks of 8 tokens) 0/1, the last two 0 by default. DP_SHARD, TP
+and CP (default 1) put the pipeline on a mesh ``pp x dp_shard x cp x tp`` (pp = world / (DP_SHARD x
+CP x TP)): the state is DTensors sharded by lmfunc's rules on each pipeline rank, each data-parallel
+rank takes its part of every microbatch (the step splits each sequence over cp), and SP 1 turns on
+sequence parallelism. The reference is then the same
 layout without the pipeline (``make_train_step`` over DTensors on the ``dp_shard x tp`` mesh): on
 this 8-layer model with dropout that layout itself differs from one process by up to 4.3e-5 (tp 2) and
 1.4e-5 (dp_shard 2) in one Adam moment after five steps (measured), while the losses still agree to
@@ -65,10 +66,12 @@ def main() -> None:
     compiled = len(sys.argv) > 6 and bool(int(sys.argv[6]))
     recompute = len(sys.argv) > 7 and bool(int(sys.argv[7]))
     dp, tp, sp = (int(a) for a in sys.argv[8:11]) if len(sys.argv) > 8 else (1, 1, 0)
+    cp = int(sys.argv[11]) if len(sys.argv) > 11 else 1
     dist.init_process_group("gloo")
-    pp = dist.get_world_size() // (dp * tp)
-    sizes = {name: size for name, size in (("pp", pp), ("dp_shard", dp), ("tp", tp)) if size > 1 or name == "pp"}
-    mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes)) if dp * tp > 1 else None
+    pp = dist.get_world_size() // (dp * cp * tp)
+    sizes = {name: size for name, size in (("pp", pp), ("dp_shard", dp), ("cp", cp), ("tp", tp))
+             if size > 1 or name == "pp"}
+    mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes)) if dp * cp * tp > 1 else None
     data_mesh = mesh[tuple(sizes)[1:]] if mesh is not None else None
     rank = mesh.get_local_rank("pp") if mesh is not None else dist.get_rank()
     dp_rank = mesh.get_local_rank("dp_shard") if dp > 1 else 0

@@ -101,25 +101,27 @@ def test_context_parallel_runs_are_validated_with_the_field_and_value():
     with pytest.raises(ConfigError, match=r"model.attention_dropout = 0.1 with parallel.cp = 2: .* "
                                           r"--model.attention-dropout 0"):
         cfg(ParallelConfig(cp=2), attention_dropout=0.1).validate(2)
-    with pytest.raises(ConfigError, match=r"parallel.cp = 2 with parallel.pp = 2: pipeline stages do not split"):
-        cfg(ParallelConfig(cp=2, pp=2)).validate(4)
 
 
-@pytest.mark.parametrize("mesh, mtp, docs, compiled", [
-    ("1 2 1 0", 0, 1, 0),
-    ("1 2 1 0", 1, 1, 0),
-    pytest.param("1 2 1 0", 0, 0, 1, marks=pytest.mark.slow),
-    pytest.param("1 4 1 0", 0, 1, 0, marks=pytest.mark.slow),
-    pytest.param("2 2 1 0", 1, 1, 0, marks=pytest.mark.slow),
-    pytest.param("1 2 2 1", 0, 1, 0, marks=pytest.mark.slow),
-    pytest.param("1 2 2 0", 0, 1, 0, marks=pytest.mark.slow),
+@pytest.mark.parametrize("mesh, mtp, docs, compiled, recompute", [
+    ("1 2 1 0", 0, 1, 0, "none"),
+    ("1 2 1 0", 1, 1, 0, "none"),
+    ("1 2 1 0", 0, 1, 0, "full"),
+    pytest.param("1 2 1 0", 0, 0, 1, "none", marks=pytest.mark.slow),
+    pytest.param("1 2 1 0", 0, 1, 1, "selective", marks=pytest.mark.slow),
+    pytest.param("1 4 1 0", 0, 1, 0, "none", marks=pytest.mark.slow),
+    pytest.param("2 2 1 0", 1, 1, 0, "none", marks=pytest.mark.slow),
+    pytest.param("1 2 2 1", 0, 1, 0, "none", marks=pytest.mark.slow),
+    pytest.param("1 2 2 0", 0, 1, 0, "none", marks=pytest.mark.slow),
 ])
-def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compiled):
+def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compiled, recompute):
     """``DP_SHARD CP TP SP``: the one-process losses (rel 1e-5) and final params and Adam moments
-    (rel L2 1e-5; compiled 2e-4) after five steps (``tests/context_worker.py``)."""
+    (rel L2 1e-5; compiled 2e-4) after five steps (``tests/context_worker.py``), with the split
+    run's layers or attention cores recomputed as ``recompute`` says."""
     from tests.helpers import run_torchrun
 
     sizes = [int(s) for s in mesh.split()[:3]]
     nproc = sizes[0] * sizes[1] * sizes[2]
-    proc = run_torchrun(nproc, ["-m", "tests.context_worker", *mesh.split(), str(mtp), str(docs), str(compiled)])
+    proc = run_torchrun(nproc, ["-m", "tests.context_worker", *mesh.split(), str(mtp), str(docs), str(compiled),
+                                recompute])
     assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]

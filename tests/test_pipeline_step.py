@@ -5,8 +5,9 @@ split-backward schedules run tied embeddings only without MTP (``check_schedule_
 tied cases check that the last stage's output-layer gradient, which torch's split backward leaves as
 a transposed view, is summed with the first stage's correctly over the embedding group. ``compiled``
 compiles the stages and the update; ``recompute`` turns on full recompute and a chunked output
-layer; ``mesh`` ("DP_SHARD TP SP") puts the pipeline beside dp_shard and/or tp (pp 2 x 2 on 4 ranks, pp 2 x 2 x 2 on 8),
-where the reference is the same layout without the pipeline."""
+layer; ``mesh`` ("DP_SHARD TP SP [CP]") puts the pipeline beside dp_shard, tp and/or cp (pp 2 x 2 on 4
+ranks, pp 2 x 2 x 2 on 8), where the reference is the same layout without the pipeline; with cp the
+step splits every sequence over cp in load-balanced order."""
 
 import pytest
 
@@ -19,6 +20,9 @@ from tests.helpers import run_torchrun
     (2, "gpipe", 0, 1, 1, 0, 0, 1, ""),
     (4, "gpipe", 0, 1, 1, 0, 0, 0, "1 2 1"),
     (2, "zero-bubble", 2, 0, 1, 0, 0, 0, ""),
+    (4, "1f1b", 0, 1, 1, 0, 0, 0, "1 1 0 2"),
+    pytest.param(4, "zero-bubble", 2, 0, 1, 0, 0, 0, "1 1 0 2", marks=pytest.mark.slow),
+    pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "1 1 0 2", marks=pytest.mark.slow),
     pytest.param(4, "zero-bubble", 2, 0, 1, 0, 0, 0, "2 1 0", marks=pytest.mark.slow),
     pytest.param(4, "zero-bubble", 2, 1, 0, 0, 0, 0, "1 2 1", marks=pytest.mark.slow),
     pytest.param(2, "dualpipev", 0, 0, 1, 0, 0, 0, "", marks=pytest.mark.slow),

@@ -224,3 +224,26 @@ def test_a_cuda_plan_counts_cublas_workspace(monkeypatch):
     assert ampere.workspace == 8 * 2**20 + 128 * 2**10 and ampere.notes == ()
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     assert predict_memory(cuda_cfg, {"dp_shard": 1}).workspace == 16 * 8 * 1024
+
+
+def test_context_parallel_divides_the_per_token_values_but_not_the_gathered_keys():
+    """cp 2: every per-token value counts half the sequence except the keys and values, which each
+    layer keeps gathered for the whole sequence; the peak falls in one attention backward, which
+    adds two dense [S/2, S] masks (fp32 here) and the query, key and value gradients, next to the
+    kept values and the gradient bucket."""
+    m = dataclasses.replace(WORKED.model, activation="swiglu", normalization="RMSNorm")
+    whole = WORKED.replace(model=m, run=RunConfig(micro_batch_size=2, global_batch_size=2))
+    split = whole.replace(parallel=ParallelConfig(cp=2))
+    one, two = plan_of(whole).lmfunc, plan_of(split, 2).lmfunc
+    tokens, kv = 2 * 128, m.query_groups * m.head_dim
+    kv_per_layer = 2 * kv * 4 * tokens  # the keys and values one layer keeps, fp32
+    assert two.state == one.state and two.grads == one.grads
+    assert two.activations == pytest.approx((one.activations - 2 * kv_per_layer) / 2 + 2 * kv_per_layer)
+    assert two.head == one.head // 2
+    masks = 2 * 64 * 128 * 4  # mask batch 1 without document masks
+    grads = 2 * (64 * m.num_attention_heads * m.head_dim + 2 * 128 * kv) * 4
+    assert two.attention_backward == masks + grads and one.attention_backward == 0
+    assert two.peak == two.state + max(two.activations + two.head, two.activations + two.grads + two.attention_backward)
+    docs = split.replace(data=dataclasses.replace(split.data, reset_attention_mask=True))
+    assert plan_of(docs, 2).lmfunc.attention_backward == 2 * masks + grads  # one mask per sequence
+    assert "attention backward over cp" in format_plan(plan_of(split, 2))

@@ -28,6 +28,12 @@ step of M microbatches (no MTP, no tp):
 - DDP (dp_replicate): the gradients in buckets of ``bucket_size_mb`` (one bucket for these
   models).
 - With a loss mask, one more all-reduce: the step's token count.
+- Context parallelism (``cp``): per microbatch, an all-gather of each layer's keys and of its
+  values over ``cp`` in the forward (2L, each sending this rank's ``[B, S / cp, g, d]``; document
+  ids add one per forward) and the reduce-scatter of their gradients in the backward (2L, each
+  reducing the whole sequence's ``[B, S, g, d]``). The parameters are replicated over ``cp`` and
+  their gradients partial sums: on a cp-only mesh the compiled step all-reduces them, with the
+  loss sum, in one bucket (``bucket_size_mb``), as DDP does.
 - On gloo, which has no reduce-scatter of its own, each bucketed FSDP reduce-scatter is an
   all-to-all and a local sum: the reduce-scatters above count as ``all_to_all_single``.
 """
@@ -66,6 +72,9 @@ def expected_counts(cfg: ModelConfig, sizes: dict[str, int]) -> Optional[dict[st
         forward["all_gather_into_tensor"] += parameter_uses(cfg)
         backward["reduce_scatter_tensor"] += parameter_uses(cfg)
     layers = cfg.num_layers
+    if sizes.get("cp", 1) > 1:
+        forward["all_gather_into_tensor"] += 2 * layers
+        backward["reduce_scatter_tensor"] += 2 * layers
     if sizes.get("tp", 1) > 1:
         if cfg.sequence_parallel:
             forward["reduce_scatter_tensor"] += 2 * layers + 1
@@ -85,20 +94,42 @@ def expected_counts(cfg: ModelConfig, sizes: dict[str, int]) -> Optional[dict[st
 def expected_compiled_counts(cfg: ModelConfig, sizes: dict[str, int], microbatches: int,
                              loss_mask: bool, gloo: bool = True) -> Optional[dict[str, int]]:
     """Collectives of one compiled train step (module docstring), or None where lmfunc makes no
-    prediction (tp, MTP, more than one gradient bucket). ``gloo``: the mesh's backend is gloo."""
-    if cfg.mtp_num_layers or sizes.get("tp", 1) > 1:
+    prediction (tp, MTP, cp beside another dim, more than one gradient bucket). ``gloo``: the mesh's
+    backend is gloo."""
+    cp = sizes.get("cp", 1)
+    if cfg.mtp_num_layers or sizes.get("tp", 1) > 1 or (cp > 1 and math.prod(sizes.values()) != cp):
         return None
     regions = cfg.num_layers + 2
     counts = {kind: 0 for kind in KINDS} | {"all_reduce": int(loss_mask)}
+    reduce_scatters = "all_to_all_single" if gloo else "reduce_scatter_tensor"
+    if cp > 1:
+        counts["all_gather_into_tensor"] = microbatches * 2 * cfg.num_layers
+        counts[reduce_scatters] = microbatches * 2 * cfg.num_layers
+        counts["all_reduce"] += 1
     if sizes.get("dp_shard", 1) > 1:
         counts["all_gather_into_tensor"] = microbatches * regions
         tied = int(cfg.tie_embeddings)
-        reduce_scatters = "all_to_all_single" if gloo else "reduce_scatter_tensor"
         counts[reduce_scatters] = microbatches * (regions + tied) - tied * (microbatches - 1)
         counts["all_reduce"] += 1
     if sizes.get("dp_replicate", 1) > 1:
         counts["all_reduce"] += 1
     return counts
+
+
+def expected_context_parallel_elements(cfg: ModelConfig, cp: int, batch: int, seq: int, microbatches: int,
+                                       gloo: bool = True) -> dict[str, int]:
+    """Elements the collectives of one compiled train step send on one rank of a cp-only mesh
+    (module docstring): per microbatch of ``batch`` sequences of ``seq`` tokens, 2L key/value
+    all-gathers of ``[batch, seq / cp, g, d]``, 2L gradient reduce-scatters of ``[batch, seq, g, d]``
+    (gloo's all-to-all takes the same input), and one all-reduce of every parameter's gradient and
+    the loss sum (a partial sum over ``cp`` too, in the same bucket)."""
+    kv = cfg.query_groups * cfg.head_dim
+    reduce_scatters = "all_to_all_single" if gloo else "reduce_scatter_tensor"
+    return {kind: 0 for kind in KINDS} | {
+        "all_gather_into_tensor": microbatches * 2 * cfg.num_layers * batch * seq // cp * kv,
+        reduce_scatters: microbatches * 2 * cfg.num_layers * batch * seq * kv,
+        "all_reduce": sum(leaf.numel() for leaf in tree_leaves(gpt.param_shapes(cfg))) + 1,
+    }
 
 
 def _collective_events(call: Callable[[], object], shapes: bool) -> list:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -36,7 +37,8 @@ import tyro
 
 from experiments.bench import paired as bench_paired
 from experiments.bench.comm import (
-    count_step_collectives, expected_compiled_counts, expected_counts, format_report, measure_counts,
+    count_step_collectives, expected_compiled_counts, expected_context_parallel_elements, expected_counts,
+    format_report, measure_counts, step_collective_elements,
 )
 from experiments.bench.config import VARIANTS, BenchConfig
 from experiments.bench.workload import make_step, model_config
@@ -120,9 +122,9 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _compiled_step_counts(cfg, params, local: dict, layout) -> tuple[dict, Optional[dict]]:
+def _compiled_step_counts(cfg, params, local: dict, layout) -> tuple[dict, Optional[dict], dict, Optional[dict]]:
     """Collectives of the compiled train step (AdamW, one microbatch) after a warm-up call, and
-    the expected ones."""
+    the expected ones; then the elements they send, and the expected ones (cp-only meshes)."""
     from lmfunc.optim import adamw
     from lmfunc.parallel.sharding import local_batch_to_dtensor
     from lmfunc.train import TrainState, make_train_step
@@ -139,8 +141,13 @@ def _compiled_step_counts(cfg, params, local: dict, layout) -> tuple[dict, Optio
     import torch.distributed as dist
 
     gloo = dist.get_backend() == "gloo"
-    return count_step_collectives(call), expected_compiled_counts(cfg, layout.sizes, microbatches=1, loss_mask=False,
-                                                                  gloo=gloo)
+    sizes = layout.sizes
+    cp_only = sizes.get("cp", 1) > 1 and math.prod(sizes.values()) == sizes["cp"]
+    rows, seq = local["tokens"].shape[-2:]
+    expected_elements = (expected_context_parallel_elements(cfg, sizes["cp"], rows, seq, microbatches=1, gloo=gloo)
+                         if cp_only else None)
+    return (count_step_collectives(call), expected_compiled_counts(cfg, sizes, microbatches=1, loss_mask=False, gloo=gloo),
+            step_collective_elements(call), expected_elements)
 
 
 def run_comm_report(bc: BenchConfig) -> None:
@@ -172,9 +179,10 @@ def run_comm_report(bc: BenchConfig) -> None:
     measured = measure_counts(params, micro, cfg)
     expected = expected_counts(cfg, layout.sizes)
     if bc.comm_compiled:
-        measured["compiled step"], expected_step = _compiled_step_counts(cfg, params, local, layout)
+        measured["compiled step"], expected_step, measured["compiled step elements"], expected_elements = (
+            _compiled_step_counts(cfg, params, local, layout))
         if expected is not None or expected_step is not None:
-            expected = {**(expected or {}), "compiled step": expected_step}
+            expected = {**(expected or {}), "compiled step": expected_step, "compiled step elements": expected_elements}
     if dist.get_rank() == 0:
         print(f"comm report: layout {bc.comm}{' + SP' if bc.sequence_parallel else ''}, layers={bc.layers} "
               f"hidden={bc.hidden} batch={bc.batch} seq={bc.seq}, one microbatch")

@@ -6,12 +6,17 @@ steps, then measures the third: the bytes its state and batch hold, plus the pea
 reaches during the step (``lmfunc.metrics.allocator_peak_bytes``: the profiler's memory events,
 the CPU's equivalent of ``torch.cuda.max_memory_allocated``). The prediction is
 ``lmfunc.plan.memory.predict_memory``; the invariant is |predicted / measured - 1| <= 15%.
+
+A case whose ``parallel`` section asks for more than one process (``cp: 2``) runs under ``torchrun``
+with gloo, each rank measuring its own step over its DTensor shards; the table shows the
+most-loaded rank, which is what the plan predicts.
 ``python -m experiments.plan_accuracy [--quick]``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,54 +32,91 @@ TOLERANCE = 0.15
 MiB = 2**20
 
 
+def world_size(spec: dict) -> int:
+    """The processes a case's ``parallel`` section asks for (the product of its sizes; 1 without)."""
+    return math.prod(int(size) for size in (spec.get("parallel") or {}).values() if isinstance(size, int) and size > 1)
+
+
 def case_configs(config: Path) -> dict:
-    """Case name -> validated ``TrainConfig`` of the study's YAML."""
+    """Case name -> (validated ``TrainConfig``, world size) of the study's YAML."""
     from lmfunc.config.yaml_io import read_yaml, train_config_from_dict
 
     cases = read_yaml(str(config))["cases"]
-    return {name: train_config_from_dict(spec or {}, source=f"{config.name}: cases.{name}").validate(1)
+    return {name: (train_config_from_dict(spec or {}, source=f"{config.name}: cases.{name}").validate(world_size(spec or {})),
+                   world_size(spec or {}))
             for name, spec in cases.items()}
 
 
-def measure(cfg) -> dict:
-    """Build and run ``cfg``'s compiled train step (three steps) in this process; the third step's
-    memory: the bytes held before it (state and batch) and the allocator's peak above them."""
+def _local_bytes(tree) -> int:
+    """Bytes this rank holds for ``tree``'s tensors (a DTensor counts its local shard)."""
     import torch
+    from torch.distributed.tensor import DTensor
 
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes
+               for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def measure(cfg, world: int) -> dict:
+    """Build and run ``cfg``'s compiled train step (three steps) in this process (one rank of
+    ``world`` under torchrun); the third step's memory on the most-loaded rank: the bytes held before
+    it (state and batch) and the allocator's peak above them."""
+    import torch
+    import torch.distributed as dist
+
+    from lmfunc.data.batch import lm_batch
     from lmfunc.metrics import allocator_peak_bytes
+    from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
+    from lmfunc.parallel.sharding import local_batch_to_dtensor
     from lmfunc.precision import compute_dtype
     from lmfunc.train.batch_plan import BatchPlan
     from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
     from lmfunc.train.params import init_params
     from lmfunc.train.state import TrainState
     from lmfunc.train.step import make_train_step
-    from lmfunc.tree import tree_bytes
 
-    plan = BatchPlan.from_config(cfg.run, 1)
+    layout = build_mesh(cfg.parallel.sizes(world))
+    plan = BatchPlan.from_config(cfg.run, layout.data_parallel_size)
     schedule = build_lr_schedule(cfg, plan, cfg.run.train_iters)
-    params = init_params(cfg.model, None, seed=cfg.run.seed)
+    params = init_params(cfg.model, layout.mesh, seed=cfg.run.seed)
     tx = build_optimizer(cfg, schedule, params)
     state = TrainState.create(params, tx, seed=cfg.run.seed, loss_scale=cfg.precision.loss_scaling())
     step = make_train_step(cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule,
                            compute_dtype=compute_dtype(cfg.precision.compute_dtype),
                            loss_scale=cfg.precision.loss_scaling(), compile=True, donate_state=True)
-    microbatches = cfg.run.global_batch_size // cfg.run.micro_batch_size
-    tokens = torch.randint(0, 256, (microbatches, cfg.run.micro_batch_size, cfg.data.seq_length),
-                           generator=torch.Generator().manual_seed(0))
+    microbatches = plan.num_microbatches_at(0)
+    g = torch.Generator().manual_seed(data_parallel_rank(layout))
+    tokens = torch.randint(0, 256, (microbatches, cfg.run.micro_batch_size, cfg.data.seq_length), generator=g)
     batch = {"tokens": tokens, "labels": tokens.roll(-1, dims=-1)}
+    if cfg.data.reset_attention_mask:  # documents of about 200 tokens, masked from each other
+        samples = torch.randint(1, 256, (*tokens.shape[:-1], tokens.shape[-1] + 1), generator=g)
+        samples[torch.rand(samples.shape, generator=g) < 1 / 200] = 0
+        batch = lm_batch(samples, 0, cfg.data.reset_position_ids, True, cfg.data.eod_mask_loss)
+    if layout.mesh is not None:
+        batch = local_batch_to_dtensor(batch, layout.mesh)
     for _ in range(2):
         state, _ = step(state, batch)
-    held = tree_bytes(state) + tree_bytes(batch)
+    held = _local_bytes(state) + _local_bytes(batch)
     (state, _), peak = allocator_peak_bytes(lambda: step(state, batch))
-    return {"held_bytes": held, "step_peak_bytes": peak, "measured_bytes": held + peak,
-            "params": sum(p.numel() for p in torch.utils._pytree.tree_leaves(state.params))}
+    mine = torch.tensor([held, peak, held + peak, sum(_local_bytes(p) // p.element_size()
+                                                      for p in torch.utils._pytree.tree_leaves(state.params))])
+    if layout.mesh is not None:  # every rank's numbers; the most-loaded rank's reported
+        ranks = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(ranks, mine)
+        mine = max(ranks, key=lambda r: int(r[2]))
+        dist.destroy_process_group()
+    return {"held_bytes": int(mine[0]), "step_peak_bytes": int(mine[1]), "measured_bytes": int(mine[2]),
+            "params": int(mine[3])}
 
 
 def run_case(name: str, config: Path, options: Options) -> dict:
-    """``measure`` of one case in a fresh process (its own compile and allocator history)."""
+    """``measure`` of one case in fresh processes (their own compile and allocator history): one, or
+    the case's world size under ``torchrun`` (rank 0 prints)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(options.threads)}
+    world = case_configs(config)[name][1]
+    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc-per-node", str(world)]
     began = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "experiments.plan_accuracy", "--case", name, "--config", str(config)],
+    proc = subprocess.run([*launch, "-m", "experiments.plan_accuracy", "--case", name, "--config", str(config)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"case {name} failed:\n{proc.stderr[-3000:]}")
@@ -89,20 +131,22 @@ def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str
     from lmfunc.plan import make_plan
 
     rows, failures, numbers = [], [], {}
-    for name, cfg in cases.items():
-        plan = make_plan(cfg, 1)
+    for name, (cfg, world) in cases.items():
+        plan = make_plan(cfg, world)
         predicted, measured = plan.lmfunc.peak, results[name]["measured_bytes"]
         error = predicted / measured - 1
         numbers[name] = {"predicted_mib": predicted / MiB, "measured_mib": measured / MiB, "error": error}
         m = cfg.model
-        rows.append([name, f"h {m.hidden_size}, L {m.num_layers}" + (", scan" if m.scan_layers else ""), m.recompute_granularity,
+        layout = " x ".join(f"{dim} {size}" for dim, size in plan.sizes.items() if size > 1) or "1 process"
+        rows.append([name, f"h {m.hidden_size}, L {m.num_layers}" + (", scan" if m.scan_layers else ""), layout,
+                     m.recompute_granularity,
                      cfg.precision.compute_dtype, f"{cfg.run.micro_batch_size} x {cfg.data.seq_length}",
                      round(measured / MiB, 1), round(predicted / MiB, 1), f"{100 * error:+.1f}%",
                      round(plan.megatron.weight_and_optimizer / MiB + plan.megatron.activations / MiB, 1)])
         if abs(error) > TOLERANCE:
             failures.append(f"{name}: predicted {predicted / MiB:.1f} MiB vs measured {measured / MiB:.1f} MiB "
                             f"({100 * error:+.1f}%, limit {100 * TOLERANCE:.0f}%)")
-    table = markdown_table(["case", "model", "recompute", "compute", "micro batch x seq", "measured MiB",
+    table = markdown_table(["case", "model", "layout (per rank)", "recompute", "compute", "micro batch x seq", "measured MiB",
                             "lmfunc.plan MiB", "error", "Megatron's formula MiB"], rows)
     (options.results / "tables.md").write_text(table)
     plt = pyplot()
@@ -112,7 +156,7 @@ def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str
     ax.bar([x - 0.2 for x in xs], [numbers[n]["measured_mib"] for n in names], width=0.4, label="measured")
     ax.bar([x + 0.2 for x in xs], [numbers[n]["predicted_mib"] for n in names], width=0.4, label="lmfunc.plan")
     ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
-    ax.set(ylabel="peak step memory (MiB)", title="predicted against measured, one CPU process")
+    ax.set(ylabel="peak step memory (MiB)", title="predicted against measured, CPU (most-loaded rank)")
     ax.legend()
     save_figure(fig, options.out / "plan_accuracy.png")
     return table, failures, numbers
@@ -122,7 +166,9 @@ def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--case" in argv:
         name, config = argv[argv.index("--case") + 1], Path(argv[argv.index("--config") + 1])
-        print(json.dumps(measure(case_configs(config)[name])))
+        result = measure(*case_configs(config)[name])
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result))
         return
     options = parse_options("plan_accuracy", __doc__.splitlines()[0], argv)
     config = HERE / ("quick.yaml" if options.quick else "config.yaml")

@@ -150,8 +150,6 @@ def _validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
 def _validate_context_parallel(cfg: TrainConfig) -> None:
     """What context parallelism (``parallel.cp > 1``) does not run with, named."""
     cp, m = cfg.parallel.cp, cfg.model
-    _require(cfg.parallel.pp == 1, f"parallel.cp = {cp} with parallel.pp = {cfg.parallel.pp}: pipeline stages do not "
-                                   "split sequences yet; use one of them")
     _require(m.attention_dropout == 0.0,
              f"model.attention_dropout = {m.attention_dropout} with parallel.cp = {cp}: the attention over keys "
              "gathered across cp has no dropout; set --model.attention-dropout 0")

@@ -55,10 +55,12 @@ def stage_forward(params: PyTree, x: torch.Tensor, cfg: ModelConfig, split: Pipe
     """Stage ``stage``'s part of ``gpt.forward`` over its ``stage_params``: ``x`` is the tokens
     ``[B, S]`` on the first stage and the previous stage's output ``[B, S, h]`` on the others; the
     result is ``[B, S, h]``, final-normed on the last stage. Every stage needs ``positions``
-    (RoPE) and ``doc_ids`` (the document mask); composed over the stages this is ``gpt.forward``."""
+    (RoPE) and ``doc_ids`` (the document mask); composed over the stages this is ``gpt.forward``.
+    A sequence split over ``cp`` is in load-balanced order: ``positions`` ``[B, S]`` (then given
+    for every token, its original index by default) also tell attention where each token was."""
+    positions, mask = layers.positions_and_mask(positions, positions, doc_ids)
     if split.holds_embedding(stage):
         x = gpt.embed_input(params, x, positions, cfg, dropout_seed)
-    mask = layers.attention_mask(doc_ids) if doc_ids is not None else None
     x = gpt.run_layers(params, x, cfg, gpt.rope_for(positions, cfg), mask, dropout_seed, split.layers[stage])
     return gpt.final_hidden(params, x, cfg) if split.holds_head(stage) else x
 

@@ -23,6 +23,14 @@ what its own partitioner chooses whatever the recompute granularity (the no-reco
 the layers' stacked fp32 gradients are held in full while every layer's values still are
 (``SCAN_GRADIENT_COPIES``).
 
+With context parallelism (``cp``) every per-token value counts this rank's ``seq / cp`` tokens,
+except the keys and values each layer keeps for its backward: attention gathers them over ``cp``,
+so they cover the whole sequence. The gradients are a bucket of every parameter's gradient from
+the start of the backward (they are partial sums over ``cp``, all-reduced after it), and the peak
+falls inside the last layer's attention backward: the kernel takes its mask as a dense
+``[seq / cp, seq]`` tensor in the compute dtype (``ATTENTION_MASK_COPIES``), and makes the whole
+sequence's key and value gradients (``attention_backward_bytes``).
+
 On cuda the caching allocator also holds cuBLAS's workspace from the first matmul on
 (``cublas_workspace_bytes``): torch's default is 32 MiB on compute capability 9.0 and newer.
 """
@@ -100,6 +108,12 @@ RECOMPUTED_LAYERS_GRADS = 2
 recomputed MLP values and the gradients of about two layers (those being made and the last made)."""
 
 
+ATTENTION_MASK_COPIES = 2
+"""With ``cp`` > 1: the dense attention masks alive inside one layer's attention backward (the
+recomputed boolean mask made additive in the compute dtype, and the kernel's copy of it), each
+``[mask batch, seq / cp, seq]`` (mask batch: the micro batch with document masks, else 1)."""
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Predicted bytes on the most-loaded rank of a layout (``predict_memory``)."""
@@ -117,6 +131,9 @@ class MemoryPlan:
     head: int
     """Embedding, final norm, output layer and one logits chunk, for one microbatch."""
     peak: int
+    attention_backward: int = 0
+    """With ``cp``: one layer's attention backward (dense masks, query and gathered key/value
+    gradients) on top of the kept values and the gradient bucket (0 without ``cp``)."""
     workspace: int = 0
     """CUDA libraries' workspace held by the caching allocator (cuBLAS; 0 on the CPU)."""
     notes: tuple[str, ...] = ()
@@ -133,6 +150,8 @@ class MemoryPlan:
                 (kept, self.activations),
                 *([("scanned layers' stacked gradients (backward)", self.scan_gradients)] if self.scan_gradients else []),
                 ("embedding, output layer and logits chunk", self.head),
+                *([("attention backward over cp (masks, K/V grads)", self.attention_backward)]
+                  if self.attention_backward else []),
                 *([("cuBLAS workspace (CUDA)", self.workspace)] if self.workspace else []),
                 ("peak step memory", self.peak)]
 
@@ -167,22 +186,41 @@ def local_params(cfg: ModelConfig, sizes: dict[str, int], data_parallel_sharded:
                if path.startswith(prefix))
 
 
-def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str) -> float:
+def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1) -> float:
     """Bytes one transformer layer keeps for its backward pass over one microbatch on one
-    tensor-parallel rank (``KEPT_PER_TOKEN``; GeLU keeps one ffn-sized value fewer)."""
+    tensor-parallel rank of a ``cp``-way context-parallel group (``KEPT_PER_TOKEN`` per local
+    token; the keys and values for every token of the sequence, gathered over ``cp``; GeLU keeps
+    one ffn-sized value fewer)."""
     m = cfg.model
     kept = KEPT_PER_TOKEN[granularity]
     if m.activation != "swiglu":
         kept = dataclasses.replace(kept, ffn=max(kept.ffn - 1, 0))
     tokens = cfg.run.micro_batch_size * cfg.data.seq_length
-    return tokens * kept.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, DTYPE_BYTES[cfg.precision.compute_dtype])
+    compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
+    gathered_kv = (tokens - tokens / cp) * kept.kv * m.query_groups * m.head_dim / tp * compute_bytes
+    return tokens / cp * kept.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + gathered_kv
 
 
-def head_bytes(cfg: TrainConfig, tp: int) -> int:
-    """The working set outside the layers while the output layer runs over one microbatch
-    (``HEAD_VALUES_PER_TOKEN`` fp32 hidden-size values per token and one logits chunk)."""
+def attention_backward_bytes(cfg: TrainConfig, tp: int, cp: int) -> int:
+    """With ``cp`` > 1, what one layer's attention backward adds on one rank: the dense masks
+    (``ATTENTION_MASK_COPIES``) and the gradients of its local queries and of the whole sequence's
+    keys and values (reduce-scattered over ``cp`` after it); 0 without ``cp``."""
+    if cp == 1:
+        return 0
+    m, b, s = cfg.model, cfg.run.micro_batch_size, cfg.data.seq_length
+    compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
+    mask_batch = b if cfg.data.reset_attention_mask else 1
+    masks = ATTENTION_MASK_COPIES * mask_batch * (s // cp) * s * compute_bytes
+    grads = b * (s // cp * m.num_attention_heads + 2 * s * m.query_groups) * m.head_dim / tp * compute_bytes
+    return int(masks + grads)
+
+
+def head_bytes(cfg: TrainConfig, tp: int, cp: int = 1) -> int:
+    """The working set outside the layers while the output layer runs over one microbatch on a rank
+    holding ``seq / cp`` of every sequence (``HEAD_VALUES_PER_TOKEN`` fp32 hidden-size values per
+    token and one logits chunk)."""
     m = cfg.model
-    tokens = cfg.run.micro_batch_size * cfg.data.seq_length
+    tokens = cfg.run.micro_batch_size * cfg.data.seq_length // cp
     chunk = tokens if m.cross_entropy_chunk_tokens == 0 else min(tokens, m.cross_entropy_chunk_tokens)
     return int(4 * tokens * m.hidden_size * HEAD_VALUES_PER_TOKEN + 4 * chunk * m.vocab_size / tp)
 
@@ -192,23 +230,27 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     the state and compute copies plus the largest of three phases: the output layer's (the layers'
     kept values and the head's working set; with ``scan_layers`` also the stacked layer gradients),
     inside the layers' backward (with full recompute: the kept values, one recomputed MLP and about
-    two layers' gradients) and the optimizer's (all gradients)."""
+    two layers' gradients; with ``cp``: the kept values, the gradient bucket and one attention
+    backward's masks and gradients) and the optimizer's (all gradients)."""
     m = cfg.model
-    tp = sizes.get("tp", 1)
+    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
     compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
     params = local_params(m, sizes)
     state, grads = 12 * params, 4 * params
     gathered = local_params(m, sizes, data_parallel_sharded=False)
     low_precision = compute_bytes < 4
     compute_copies = (compute_bytes * gathered if low_precision or gathered != params else 0)
-    tokens = cfg.run.micro_batch_size * cfg.data.seq_length
+    tokens = cfg.run.micro_batch_size * cfg.data.seq_length // cp
     scanned = m.num_layers if m.scan_layers else 0
     unrolled = m.num_layers + m.mtp_num_layers - scanned
-    activations = int(scanned * layer_kept_bytes(cfg, tp, "none")
-                      + unrolled * layer_kept_bytes(cfg, tp, m.recompute_granularity))
+    activations = int(scanned * layer_kept_bytes(cfg, tp, "none", cp)
+                      + unrolled * layer_kept_bytes(cfg, tp, m.recompute_granularity, cp))
     scan_gradients = SCAN_GRADIENT_COPIES * 4 * local_params(m, sizes, prefix="layers.") if scanned else 0
-    head = head_bytes(cfg, tp)
+    head = head_bytes(cfg, tp, cp)
     phases = [activations + scan_gradients + head, grads]
+    attention_backward = attention_backward_bytes(cfg, tp, cp)
+    if cp > 1:
+        phases.append(activations + grads + attention_backward)
     if m.recompute_granularity == "full" and not scanned:
         layer_grads = 4 * local_params(m, sizes, prefix="layers.0.")
         recomputed_mlp = tokens * compute_bytes * (3 if m.activation == "swiglu" else 2) * m.ffn_size / tp
@@ -221,4 +263,5 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
                  "(torch's scan keeps the values its own partitioner chooses), so this counts what no recompute "
                  "keeps; unrolled layers (--model.no-scan-layers) recompute",)
     return MemoryPlan(sizes=dict(sizes), params=params, state=state, grads=grads, compute_copies=compute_copies,
-                      activations=activations, scan_gradients=scan_gradients, head=head, peak=peak, workspace=workspace, notes=notes)
+                      activations=activations, scan_gradients=scan_gradients, head=head, peak=peak,
+                      attention_backward=attention_backward, workspace=workspace, notes=notes)

@@ -39,8 +39,8 @@ def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
     sizes = cfg.parallel.sizes(world_size)
     untrainable = untrainable_features(cfg)
     prediction, unpredicted = None, []
-    if not untrainable and sizes["cp"] > 1:
-        unpredicted = [f"parallel.cp = {sizes['cp']}"]
+    if not untrainable and sizes["pp"] > 1 and sizes["cp"] > 1:
+        unpredicted = [f"parallel.pp = {sizes['pp']} with parallel.cp = {sizes['cp']}"]
     elif not untrainable:
         prediction = predict_pipeline_memory(cfg, sizes) if sizes["pp"] > 1 else predict_memory(cfg, sizes)
         if prediction is None:

@@ -17,6 +17,7 @@ from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import PipelineSplit
 from lmfunc.loss import LossOutput
 from lmfunc.model.stages import stage_forward
+from lmfunc.parallel.context import CP_DIM
 from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 from lmfunc.precision import cast_params
 from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
@@ -132,9 +133,11 @@ def _like(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
 
 def stage_placements(mesh: DeviceMesh, sequence_parallel: bool) -> tuple[list, list]:
     """The placements on ``mesh`` of what a pipeline stage takes: batch fields ``[B, S]`` split along
-    the batch over the data-parallel dims (replicated over ``tp``), and hidden states ``[B, S, h]``
-    split likewise and, with sequence parallelism, along the sequence over ``tp``."""
-    batch = [Shard(0) if name in DATA_PARALLEL_DIMS else Replicate() for name in mesh.mesh_dim_names]
+    the batch over the data-parallel dims and along the sequence over ``cp`` (replicated over
+    ``tp``), and hidden states ``[B, S, h]`` split likewise and, with sequence parallelism, along
+    the sequence over ``tp``."""
+    batch = [Shard(0) if name in DATA_PARALLEL_DIMS else Shard(1) if name == CP_DIM else Replicate()
+             for name in mesh.mesh_dim_names]
     hidden = [Shard(1) if name == "tp" and sequence_parallel else p for name, p in zip(mesh.mesh_dim_names, batch)]
     return batch, hidden
 

@@ -57,6 +57,7 @@ from lmfunc.compiler.compiling import compile_settings, compile_step, retained_b
 from lmfunc.loss import lm_loss_of_hidden
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
+from lmfunc.parallel.context import CP_DIM, context_part
 from lmfunc.parallel.sharding import local_batch_to_dtensor, match_placements
 from lmfunc.precision import LossScaleConfig, all_finite
 from lmfunc.model.stages import shared_leaves, stage_params
@@ -136,7 +137,7 @@ def make_pipeline_train_step(
             module.bind(stage_params(state.params, cfg, split, stage), grad_scale)
         seeds = (torch.stack([microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
                  if dropout else None)
-        args, kwargs = _schedule_inputs(batch, seeds, first_rank == rank, last_rank == rank)
+        args, kwargs = _schedule_inputs(_context_part(batch, data), seeds, first_rank == rank, last_rank == rank)
         with _schedule_context(compile, first_call, schedule, data is not None):
             runtime["schedule"].step(*args, **kwargs)
         grads = _gather_grads(state.params, modules)
@@ -292,7 +293,7 @@ def make_pipeline_eval_step(
                                                   compute_dtype, objective, modules, compile, data)
         for stage, module in modules.items():
             module.bind(stage_params(params, cfg, split, stage))
-        args, kwargs = _schedule_inputs(batch, None, first_rank == rank, last_rank == rank)
+        args, kwargs = _schedule_inputs(_context_part(batch, data), None, first_rank == rank, last_rank == rank)
         with _schedule_context(compile, first_call, schedule, data is not None):
             if forward_only:
                 with torch.no_grad():
@@ -322,6 +323,18 @@ def _build_schedule(params: PyTree, cfg: ModelConfig, split: PipelineSplit, sche
     schedule_cls = getattr(pipelining, SCHEDULES[schedule][0])
     return schedule_cls(stages[0] if SCHEDULES[schedule][1] == 1 else stages, num_microbatches, loss_fn=loss_fn,
                         scale_grads=False)
+
+
+def _context_part(batch: Batch, data_mesh: Optional[DeviceMesh]) -> Batch:
+    """This rank's part of every field of ``batch`` ``[M, B, S]`` on a data mesh with ``cp``: each
+    sequence in load-balanced order and split over ``cp`` (``lmfunc.parallel.context``), with the
+    tokens' original indices as ``position_ids`` when the batch has none; ``batch`` otherwise."""
+    if data_mesh is None or CP_DIM not in data_mesh.mesh_dim_names:
+        return batch
+    cp, rank = data_mesh.size(list(data_mesh.mesh_dim_names).index(CP_DIM)), data_mesh.get_local_rank(CP_DIM)
+    tokens = batch["tokens"]
+    positions = torch.arange(tokens.shape[-1], device=tokens.device).expand(tokens.shape)
+    return {k: context_part(v, cp, rank) for k, v in {"position_ids": positions, **batch}.items()}
 
 
 def _schedule_inputs(batch: Batch, seeds: Optional[torch.Tensor], first: bool, last: bool) -> tuple[tuple, dict]:
