@@ -1,0 +1,235 @@
+"""Mixture-of-experts routing and experts as pure functions (Megatron's ``moe_utils`` semantics).
+
+A router scores every token against every expert (``route``): softmax or sigmoid scores, the top-k
+experts per token, optionally within the best groups of experts, with DeepSeek-V3's aux-loss-free
+bias steering the choice but not the weights. Its losses (``load_balancing_loss``,
+``sequence_load_balancing_loss``, ``router_z_loss``) are values the caller adds to the gradient;
+``updated_expert_bias`` is the bias's once-per-step update, a state change without a gradient.
+
+The experts are SwiGLU MLPs stacked along a leading expert dim. ``experts_dropless`` sends every
+(token, expert) pair to its expert: the pairs sorted by expert, one grouped matmul per projection
+(``torch._grouped_mm``; a loop over experts for dtypes it lacks). ``experts_with_capacity`` gives
+every expert a fixed number of slots (``expert_capacity``) and drops the pairs beyond them with
+Megatron's policies ("probs": an expert keeps its highest-weighted pairs; "position": its earliest
+tokens), so every shape is static.
+
+Shapes: T tokens (batch and sequence flattened), h hidden, E experts, k experts per token, f the
+expert MLP width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+ScoreFunction = Literal["softmax", "sigmoid"]
+DropPolicy = Literal["probs", "position"]
+
+
+class Routing(NamedTuple):
+    """The router's choice for T tokens: ``weights`` ``[T, k]`` (fp32) that scale each chosen
+    expert's output, and ``experts`` ``[T, k]`` (int64) the chosen experts."""
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+
+
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``scores`` ``[T, E]`` among the experts of each token's best ``group_topk`` of
+    ``num_groups`` equal groups, a group scored by the sum of its ``topk // group_topk`` highest
+    scores (DeepSeek's device/node-limited routing). Returns values and indices ``[T, topk]``."""
+    tokens, experts = scores.shape
+    if experts % num_groups or topk % group_topk or group_topk > num_groups:
+        raise ValueError(f"group-limited routing needs the experts ({experts}) divisible by the groups ({num_groups}), "
+                         f"topk ({topk}) divisible by the chosen groups ({group_topk}), and group_topk <= num_groups")
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_scores.topk(group_topk, dim=-1).indices, True)
+    allowed = chosen[:, :, None].expand_as(grouped).reshape(tokens, experts)
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
+def route(logits: torch.Tensor, topk: int, score_function: ScoreFunction = "softmax", pre_softmax: bool = False,
+          expert_bias: Optional[torch.Tensor] = None, num_groups: Optional[int] = None,
+          group_topk: Optional[int] = None, scaling_factor: Optional[float] = None) -> Routing:
+    """The top-k experts of each token from router ``logits`` ``[T, E]`` (Megatron's
+    ``topk_routing_with_score_function``), all in fp32:
+
+    - softmax: the top-k logits, softmax over those k (with ``pre_softmax``: softmax over all E
+      first, then the top-k of the probabilities, not renormalised);
+    - sigmoid: the top-k of ``sigmoid(logits) + expert_bias`` (the bias, DeepSeek-V3's aux-loss-free
+      balancing, only steers the choice), weighted by their sigmoid scores normalised to sum to 1
+      when k > 1;
+    - with ``group_topk``, the choice is limited to the best groups (``group_limited_topk``);
+    - ``scaling_factor`` multiplies the weights.
+    """
+    logits = logits.float()
+
+    def top(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if group_topk:
+            return group_limited_topk(scores, topk, num_groups, group_topk)
+        return scores.topk(topk, dim=-1)
+
+    if score_function == "softmax":
+        if expert_bias is not None:
+            raise ValueError("the expert bias (aux-loss-free balancing) steers sigmoid scores; use score_function 'sigmoid'")
+        if pre_softmax:
+            weights, experts = top(torch.softmax(logits, dim=-1))
+        else:
+            top_logits, experts = top(logits)
+            weights = torch.softmax(top_logits, dim=-1)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        if expert_bias is not None:
+            experts = top(scores + expert_bias.float())[1]
+            weights = scores.gather(1, experts)
+        else:
+            weights, experts = top(scores)
+        if topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
+    if scaling_factor:
+        weights = weights * scaling_factor
+    return Routing(weights, experts)
+
+
+def aux_loss_scores(logits: torch.Tensor, topk: int, score_function: ScoreFunction) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the load-balancing losses read, from router ``logits`` ``[T, E]``: every expert's score
+    ``[T, E]`` (softmax, or sigmoid normalised over the experts) and the map ``[T, E]`` (bool) of
+    each token's top-k experts by that score (Megatron's ``compute_routing_scores_for_aux_loss``:
+    without the expert bias or group limits)."""
+    logits = logits.float()
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, scores.topk(topk, dim=-1).indices, True)
+    return scores, chosen
+
+
+def load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
+    """The Switch/GShard load-balancing loss ``coeff * E * sum_i f_i * P_i`` over T tokens:
+    ``f_i`` the fraction of the T * k choices that went to expert i (``routing_map`` ``[T, E]``),
+    ``P_i`` expert i's mean score (``scores`` ``[T, E]``)."""
+    tokens, experts = scores.shape
+    load = routing_map.float().sum(dim=0)
+    return (scores.sum(dim=0) * load).sum() * (experts * coeff / (topk * tokens * tokens))
+
+
+def sequence_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
+                                 coeff: float) -> torch.Tensor:
+    """DeepSeek-V3's sequence-level balance loss: ``load_balancing_loss`` within each sequence of
+    ``scores`` and ``routing_map`` ``[B, S, E]``, averaged over the B sequences."""
+    batch, seq, experts = scores.shape
+    load = routing_map.float().sum(dim=1)
+    per_sequence = (scores.sum(dim=1) * load).sum(dim=-1) * (experts * coeff / (topk * seq * seq))
+    return per_sequence.mean()
+
+
+def router_z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE's z-loss: ``coeff * mean_t logsumexp(logits_t)^2`` over the tokens of ``logits``
+    ``[T, E]``; it keeps the router's logits small."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean() * coeff
+
+
+def tokens_per_expert(experts: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """How many (token, expert) pairs of ``experts`` ``[T, k]`` each of ``num_experts`` experts
+    receives ``[E]`` (fp32), counting only the ``keep`` ``[T, k]`` pairs when given."""
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=experts.device)
+    ones = torch.ones(experts.shape, dtype=torch.float32, device=experts.device)
+    return counts.index_add(0, experts.reshape(-1), (ones if keep is None else keep.float()).reshape(-1))
+
+
+def updated_expert_bias(expert_bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's aux-loss-free balancing step: ``bias + rate * sign(mean(load) - load)``: an
+    expert that received fewer pairs than the mean (``load`` ``[E]``, summed over the step and the
+    data-parallel ranks) gets a higher bias, a busier one a lower."""
+    return expert_bias + rate * torch.sign(load.mean() - load).to(expert_bias.dtype)
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Slots per expert for ``num_tokens`` tokens (Megatron's ``get_capacity`` of the T * k pairs):
+    ``ceil(T * k / E * capacity_factor)``."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def queue_positions(routing: Routing, num_experts: int, policy: DropPolicy) -> torch.Tensor:
+    """Each (token, expert) pair's place ``[T, k]`` (int64, from 0) in its expert's queue: by
+    descending weight ("probs") or by token order ("position")."""
+    experts = routing.experts.reshape(-1)
+    pairs = torch.arange(experts.numel(), device=experts.device)
+    if policy == "probs":
+        pairs = torch.argsort(-routing.weights.reshape(-1), stable=True)
+    elif policy != "position":
+        raise ValueError(f"drop policy must be 'probs' or 'position', got {policy!r}")
+    order = pairs[torch.argsort(experts[pairs], stable=True)]
+    counts = _counts(experts, num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    positions = torch.empty_like(experts)
+    positions[order] = torch.arange(experts.numel(), device=experts.device) - starts[experts[order]]
+    return positions.reshape(routing.experts.shape)
+
+
+def _counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs per expert ``[E]`` (int64) of the flat expert indices ``experts`` (a static shape,
+    unlike ``bincount``'s)."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=experts.device).index_add(
+        0, experts, torch.ones_like(experts))
+
+
+def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, matmul) -> torch.Tensor:
+    return matmul(F.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+
+
+def experts_with_capacity(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor,
+                          w_down: torch.Tensor, capacity: int, policy: DropPolicy = "probs") -> tuple[torch.Tensor, torch.Tensor]:
+    """The weighted sum of each token's experts for tokens ``x`` ``[T, h]``, experts ``w_gate``,
+    ``w_up`` ``[E, h, f]`` and ``w_down`` ``[E, f, h]``, each expert taking at most ``capacity``
+    pairs (``queue_positions`` decides which; the others are dropped, contributing nothing).
+    Static shapes: every expert runs on a ``[capacity, h]`` buffer. Returns ``[T, h]`` and the kept
+    pairs ``[T, k]`` (bool)."""
+    tokens, hidden = x.shape
+    num_experts = w_gate.shape[0]
+    positions = queue_positions(routing, num_experts, policy)
+    keep = positions < capacity
+    slot = torch.where(keep, routing.experts * capacity + positions, num_experts * capacity)  # dropped: a spare slot
+    token = torch.arange(tokens, device=x.device)[:, None].expand_as(slot).reshape(-1)
+    buffer = x.new_zeros(num_experts * capacity + 1, hidden).index_copy(0, slot.reshape(-1), x[token])
+    out = _swiglu(buffer[:-1].view(num_experts, capacity, hidden), w_gate, w_up, w_down, torch.bmm)
+    out = torch.cat([out.reshape(-1, hidden), out.new_zeros(1, hidden)])[slot.reshape(-1)]
+    weights = (routing.weights * keep).reshape(-1, 1).to(out.dtype)
+    return x.new_zeros(tokens, hidden).index_add(0, token, out * weights), keep
+
+
+def experts_dropless(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor,
+                     w_down: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of each token's experts for tokens ``x`` ``[T, h]`` (weights as in
+    ``experts_with_capacity``), every pair kept: the pairs sorted by expert and each projection one
+    grouped matmul over the experts' row ranges (``torch._grouped_mm``). Eager, torch 2.13 runs
+    that on the CPU in fp32, bf16 and fp16 (other dtypes loop over the experts); compiled, its meta
+    kernel takes bf16 only, with rows of a multiple of 16 bytes, so other dtypes and widths take
+    ``experts_with_capacity`` with room for every token in every expert: the same values, static
+    shapes, E / k times the expert FLOPs. Returns ``[T, h]``."""
+    tokens, hidden = x.shape
+    num_experts, _, ffn = w_gate.shape
+    grouped_compiles = x.dtype == torch.bfloat16 and hidden % 8 == 0 and ffn % 8 == 0
+    if torch.compiler.is_compiling() and not grouped_compiles:
+        return experts_with_capacity(x, routing, w_gate, w_up, w_down, capacity=tokens, policy="position")[0]
+    experts = routing.experts.reshape(-1)
+    order = torch.argsort(experts, stable=True)
+    token = torch.div(order, routing.experts.shape[1], rounding_mode="floor")
+    rows = x[token]
+    counts = _counts(experts, num_experts)
+    if x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ends = torch.cumsum(counts, 0).to(torch.int32)
+        out = _swiglu(rows, w_gate, w_up, w_down, lambda a, w: torch._grouped_mm(a.contiguous(), w, offs=ends))
+    else:
+        parts = torch.split(rows, counts.tolist())
+        out = torch.cat([_swiglu(part, w_gate[e], w_up[e], w_down[e], torch.matmul) for e, part in enumerate(parts)])
+    weights = routing.weights.reshape(-1)[order].reshape(-1, 1).to(out.dtype)
+    return x.new_zeros(tokens, hidden).index_add(0, token, out * weights)
