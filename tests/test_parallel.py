@@ -156,12 +156,13 @@ def test_training_command_gives_the_same_losses_on_any_layout(tmp_path, torchrun
 @pytest.mark.parametrize("layout, extra", [pytest.param("dp_shard=2", [], marks=pytest.mark.slow),
                                            ("tp=2", ["--no-comm-compiled"]),
                                            ("tp=2", ["--sequence-parallel", "--no-comm-compiled"]),
-                                           ("cp=2", [])])
+                                           ("cp=2", ["--no-comm-compiled"]),
+                                           pytest.param("cp=2", [], marks=pytest.mark.slow)])
 def test_comm_report_counts_equal_the_expected_ones(layout, extra, tmp_path, torchrun):
     """Eager per-leaf counts on every layout; the compiled step's bucketed counts where lmfunc
     predicts them (data-parallel and cp-only layouts; tp's are printed, not predicted), and on cp
     the elements each kind sends (the keys' and values' gathers and reduce-scatters, the gradient
-    all-reduce)."""
+    all-reduce; the compiled cp case is a slow test, its cold compile takes most of a minute)."""
     out = tmp_path / "comm.json"
     torchrun(2, ["-m", "experiments.bench", "--comm", layout, *extra, "--layers", "3", "--hidden", "64", "--heads", "4",
                  "--vocab", "256", "--seq", "32", "--batch", "4", "--json-out", str(out)])
