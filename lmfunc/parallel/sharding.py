@@ -98,10 +98,18 @@ def local_batch_to_dtensor(batch: dict, mesh: DeviceMesh, batch_dim: int = 1) ->
     names = list(mesh.mesh_dim_names)
     placements = [Shard(batch_dim) if name in DATA_PARALLEL_DIMS else Replicate() for name in names]
     if CP_DIM in names:
-        cp, rank = mesh.size(names.index(CP_DIM)), mesh.get_local_rank(CP_DIM)
         placements[names.index(CP_DIM)] = Shard(batch_dim + 1)
-        batch = {k: context_part(v, cp, rank) for k, v in batch.items()}
-    return {k: DTensor.from_local(v, mesh, placements, run_check=False) for k, v in batch.items()}
+    return {k: DTensor.from_local(v, mesh, placements, run_check=False) for k, v in context_split(batch, mesh).items()}
+
+
+def context_split(batch: dict, mesh: Optional[DeviceMesh]) -> dict:
+    """This rank's part of every field of ``batch`` (tensors whose last dim is the sequence) on a
+    mesh with a ``cp`` dim: each sequence in Megatron's load-balanced order, this rank's two chunks
+    (``lmfunc.parallel.context``); ``batch`` itself without one."""
+    if mesh is None or CP_DIM not in mesh.mesh_dim_names:
+        return batch
+    cp, rank = mesh.size(list(mesh.mesh_dim_names).index(CP_DIM)), mesh.get_local_rank(CP_DIM)
+    return {k: context_part(v, cp, rank) for k, v in batch.items()}
 
 
 def match_placements(grads: PyTree, params: PyTree) -> PyTree:

@@ -57,8 +57,8 @@ from lmfunc.compiler.compiling import compile_settings, compile_step, retained_b
 from lmfunc.loss import lm_loss_of_hidden
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
-from lmfunc.parallel.context import CP_DIM, context_part
-from lmfunc.parallel.sharding import local_batch_to_dtensor, match_placements
+from lmfunc.parallel.context import CP_DIM
+from lmfunc.parallel.sharding import context_split, local_batch_to_dtensor, match_placements
 from lmfunc.precision import LossScaleConfig, all_finite
 from lmfunc.model.stages import shared_leaves, stage_params
 from lmfunc.train.pipeline_stages import StageModule
@@ -331,10 +331,9 @@ def _context_part(batch: Batch, data_mesh: Optional[DeviceMesh]) -> Batch:
     tokens' original indices as ``position_ids`` when the batch has none; ``batch`` otherwise."""
     if data_mesh is None or CP_DIM not in data_mesh.mesh_dim_names:
         return batch
-    cp, rank = data_mesh.size(list(data_mesh.mesh_dim_names).index(CP_DIM)), data_mesh.get_local_rank(CP_DIM)
     tokens = batch["tokens"]
     positions = torch.arange(tokens.shape[-1], device=tokens.device).expand(tokens.shape)
-    return {k: context_part(v, cp, rank) for k, v in {"position_ids": positions, **batch}.items()}
+    return context_split({"position_ids": positions, **batch}, data_mesh)
 
 
 def _schedule_inputs(batch: Batch, seeds: Optional[torch.Tensor], first: bool, last: bool) -> tuple[tuple, dict]:
