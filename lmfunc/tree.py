@@ -130,6 +130,16 @@ def tree_bytes(tree: PyTree) -> int:
     )
 
 
+def local_tree_bytes(tree: PyTree) -> int:
+    """Bytes of this process's part of ``tree``'s tensor leaves (a DTensor counts its local shard)."""
+    total = 0
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+            total += local.numel() * local.element_size()
+    return total
+
+
 def tree_zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     """A tree of zeros shaped like ``tree`` (optionally in ``dtype``)."""
     return tree_map(lambda leaf: torch.zeros_like(leaf, dtype=dtype), tree)

@@ -16,7 +16,7 @@ import torch
 import torch._dynamo.utils
 import torch.distributed as dist
 
-from experiments.bench.comm import count_step_collectives, step_collective_elements
+from experiments.bench.comm import step_collectives
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import adamw
@@ -68,8 +68,7 @@ def main() -> None:
         state, metrics = step(state, local_batch_to_dtensor(local, layout.mesh))
         losses.append(float(metrics["loss"]))
     one_step = lambda: step(state, local_batch_to_dtensor(local, layout.mesh))  # noqa: E731
-    collectives = count_step_collectives(one_step) if compiled else None
-    elements = step_collective_elements(one_step) if compiled else None
+    collectives, elements = step_collectives(one_step) if compiled else (None, None)
     final_error = relative_errors(full_tensors(state.params), reference.params)
     moments = full_tensors(state.opt_state[0].mu)
     placements = sorted({str(tuple(p.placements)) for _, p in flatten_with_paths(state.params)})

@@ -132,8 +132,8 @@ def expected_context_parallel_elements(cfg: ModelConfig, cp: int, batch: int, se
     }
 
 
-def _collective_events(call: Callable[[], object], shapes: bool) -> list:
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
+def _collective_events(call: Callable[[], object]) -> list:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         call()
     return [event for event in prof.events() if event.name.startswith("_c10d_functional::")]
 
@@ -144,21 +144,17 @@ def collective_kind(op_name: str) -> str:
     return op_name.split("::", 1)[1].removesuffix("_out").rstrip("_")
 
 
-def count_step_collectives(call: Callable[[], object]) -> dict[str, int]:
-    """The collectives ``call()`` issues on this rank, by kind, from the profiler's host events
-    (``_c10d_functional`` ops; an ``_out`` variant counts as its op)."""
-    counts = Counter(collective_kind(event.name) for event in _collective_events(call, shapes=False))
-    return {kind: counts.get(kind, 0) for kind in KINDS}
-
-
-def step_collective_elements(call: Callable[[], object]) -> dict[str, int]:
-    """The elements of the tensors that ``call()``'s collectives send on this rank, by kind (the
-    first input's shape in the profiler's host events)."""
-    elements = Counter()
-    for event in _collective_events(call, shapes=True):
+def step_collectives(call: Callable[[], object]) -> tuple[dict[str, int], dict[str, int]]:
+    """The collectives ``call()`` issues on this rank, by kind, and the elements they send (the
+    first input's shape), from one profile's host events (``_c10d_functional`` ops; an ``_out``
+    variant counts as its op)."""
+    counts, elements = Counter(), Counter()
+    for event in _collective_events(call):
+        kind = collective_kind(event.name)
         shape = event.input_shapes[0] if event.input_shapes else []
-        elements[collective_kind(event.name)] += math.prod(shape) if shape else 0
-    return {kind: elements.get(kind, 0) for kind in KINDS}
+        counts[kind] += 1
+        elements[kind] += math.prod(shape) if shape else 0
+    return {kind: counts.get(kind, 0) for kind in KINDS}, {kind: elements.get(kind, 0) for kind in KINDS}
 
 
 def _counts(mode: CommDebugMode) -> Counter:

@@ -37,8 +37,8 @@ import tyro
 
 from experiments.bench import paired as bench_paired
 from experiments.bench.comm import (
-    count_step_collectives, expected_compiled_counts, expected_context_parallel_elements, expected_counts,
-    format_report, measure_counts, step_collective_elements,
+    expected_compiled_counts, expected_context_parallel_elements, expected_counts, format_report, measure_counts,
+    step_collectives,
 )
 from experiments.bench.config import VARIANTS, BenchConfig
 from experiments.bench.workload import make_step, model_config
@@ -146,8 +146,8 @@ def _compiled_step_counts(cfg, params, local: dict, layout) -> tuple[dict, Optio
     rows, seq = local["tokens"].shape[-2:]
     expected_elements = (expected_context_parallel_elements(cfg, sizes["cp"], rows, seq, microbatches=1, gloo=gloo)
                          if cp_only else None)
-    return (count_step_collectives(call), expected_compiled_counts(cfg, sizes, microbatches=1, loss_mask=False, gloo=gloo),
-            step_collective_elements(call), expected_elements)
+    counts, elements = step_collectives(call)
+    return counts, expected_compiled_counts(cfg, sizes, microbatches=1, loss_mask=False, gloo=gloo), elements, expected_elements
 
 
 def run_comm_report(bc: BenchConfig) -> None:

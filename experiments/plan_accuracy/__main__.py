@@ -47,15 +47,6 @@ def case_configs(config: Path) -> dict:
             for name, spec in cases.items()}
 
 
-def _local_bytes(tree) -> int:
-    """Bytes this rank holds for ``tree``'s tensors (a DTensor counts its local shard)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes
-               for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
-
-
 def measure(cfg, world: int) -> dict:
     """Build and run ``cfg``'s compiled train step (three steps) in this process (one rank of
     ``world`` under torchrun); the third step's memory on the most-loaded rank: the bytes held before
@@ -73,6 +64,7 @@ def measure(cfg, world: int) -> dict:
     from lmfunc.train.params import init_params
     from lmfunc.train.state import TrainState
     from lmfunc.train.step import make_train_step
+    from lmfunc.tree import local_tree_bytes
 
     layout = build_mesh(cfg.parallel.sizes(world))
     plan = BatchPlan.from_config(cfg.run, layout.data_parallel_size)
@@ -95,9 +87,9 @@ def measure(cfg, world: int) -> dict:
         batch = local_batch_to_dtensor(batch, layout.mesh)
     for _ in range(2):
         state, _ = step(state, batch)
-    held = _local_bytes(state) + _local_bytes(batch)
+    held = local_tree_bytes(state) + local_tree_bytes(batch)
     (state, _), peak = allocator_peak_bytes(lambda: step(state, batch))
-    mine = torch.tensor([held, peak, held + peak, sum(_local_bytes(p) // p.element_size()
+    mine = torch.tensor([held, peak, held + peak, sum(local_tree_bytes(p) // p.element_size()
                                                       for p in torch.utils._pytree.tree_leaves(state.params))])
     if layout.mesh is not None:  # every rank's numbers; the most-loaded rank's reported
         ranks = [torch.zeros_like(mine) for _ in range(world)]

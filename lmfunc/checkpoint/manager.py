@@ -30,13 +30,12 @@ import shutil
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lmfunc.checkpoint.sharded import async_save_tree, load_tree, save_tree
 from lmfunc.config.model import ConfigError
-from lmfunc.tree import PyTree, tree_leaves
+from lmfunc.tree import PyTree, local_tree_bytes
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "metadata.json"
@@ -73,16 +72,6 @@ def _no_space(err: BaseException) -> bool:
         for wrapped in (getattr(e, "failures", None) or {}).values():
             todo.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
     return False
-
-
-def _local_bytes(tree: PyTree) -> int:
-    """Bytes of this process's part of ``tree`` (a DTensor counts its local shard)."""
-    total = 0
-    for leaf in tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor):
-            local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
-            total += local.numel() * local.element_size()
-    return total
 
 
 def _rank() -> int:
@@ -245,7 +234,7 @@ class CheckpointManager:
         donates its state: ``make_train_step(donate_state=True)``)."""
         self.wait()
         tmp = self.path(step) + ".tmp"
-        nbytes = _local_bytes(tree)
+        nbytes = local_tree_bytes(tree)
         if _rank() == 0:
             if os.path.exists(tmp) and not _is_unfinished_save(tmp):
                 raise ConfigError(f"checkpoint save: {tmp} exists and was not written by lmfunc; move it away")
