@@ -8,11 +8,13 @@ would be the obvious choice, but it wraps its inputs and hides the DTensor API
 ``torch.compile(fullgraph=True)`` while ``torch._dynamo.config.trace_autograd_ops`` is on — a
 private flag that ``lmfunc.compiler.compile_step`` turns on while it traces (never globally).
 ``tests/test_grad.py`` fails if that stops compiling.
+
+``attach_aux_loss`` adds an auxiliary loss to the gradient of a function that returns something else.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 
@@ -62,3 +64,40 @@ def value_and_grad(
         return value, grads
 
     return wrapped
+
+
+# ----------------------------------------------------------------------------- auxiliary losses
+class _AttachAuxLoss(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, aux_loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        _, aux_loss, scale = inputs
+        ctx.save_for_backward(scale)
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad_x: torch.Tensor):
+        (scale,) = ctx.saved_tensors
+        grad_aux = torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_x.device) * scale.to(ctx.aux_dtype)
+        return grad_x, grad_aux, None
+
+
+def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: Union[torch.Tensor, float] = 1.0) -> torch.Tensor:
+    """``x`` unchanged; in the backward ``aux_loss`` receives the gradient ``scale`` (elementwise),
+    as if ``scale * aux_loss`` had been added to the objective: how an auxiliary loss (multi-token
+    prediction, the MoE router's losses) joins the main graph, as Megatron's ``MTPLossAutoScaler``
+    and ``MoEAuxLossAutoScaler`` do. ``scale`` is a tensor (the loss scale times the step's
+    normalisation), so changing it never recompiles. Written in the ``setup_context`` style with
+    ``generate_vmap_rule``, the form that works under ``torch.func``, ``autograd.grad`` and
+    ``torch.compile(fullgraph=True)`` alike (``tests/test_mtp.py`` compiles it with ``autograd.grad``).
+
+    ``x``: any tensor on the path to the main loss (Megatron uses the final hidden states).
+    ``aux_loss``: a tensor (usually a scalar) that depends on the parameters.
+    """
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=aux_loss.device)
+    return _AttachAuxLoss.apply(x, aux_loss, scale)

@@ -165,8 +165,7 @@ def test_with_room_for_every_pair_the_capacity_path_is_the_dropless_one():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_both_expert_paths_compile_to_one_graph_with_the_eager_values(dtype):
-    """Compiled: bf16 through the grouped matmuls, fp32 through the capacity path with room for
-    every token (``_grouped_mm``'s meta kernel takes bf16 only)."""
+    """Compiled fullgraph, forward and backward: the grouped matmuls (a custom op) in every dtype."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(16, 8, generator=g).to(dtype)
     logits = torch.randn(16, 4, generator=g)
@@ -175,10 +174,17 @@ def test_both_expert_paths_compile_to_one_graph_with_the_eager_values(dtype):
     def layer(x, logits, w_gate, w_up, w_down):
         routing = moe.route(logits, topk=2)
         dropped, _ = moe.experts_with_capacity(x, routing, w_gate, w_up, w_down, capacity=6)
-        return moe.experts_dropless(x, routing, w_gate, w_up, w_down), dropped
+        dropless = moe.experts_dropless(x, routing, w_gate, w_up, w_down)
+        grads = torch.autograd.grad(dropless.float().square().sum(), (x, w_gate, w_up, w_down))
+        return (dropless.detach(), dropped.detach(), *grads)
+
+    def run(fn):
+        with torch.enable_grad():
+            return fn(*(t.detach().requires_grad_(t.is_floating_point()) for t in (x, logits, *weights)))
 
     torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    for got, want in zip(compiled(x, logits, *weights), layer(x, logits, *weights)):
-        assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = run(torch.compile(layer, fullgraph=True))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the rounding of a different op order
+    for got, want in zip(compiled, run(layer)):
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < tolerance

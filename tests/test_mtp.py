@@ -66,7 +66,7 @@ def direct_objective(params, batch, cfg):
     total = main_sum / main_count
     depth_labels, depth_mask = labels, torch.ones(labels.shape)
     per_depth = []
-    for h in mtp.forward(params, hidden, tokens, cfg):
+    for h in mtp.forward(params, hidden, tokens, cfg)[0]:
         depth_labels, depth_mask = mtp.roll_left(depth_labels), mtp.roll_left(depth_mask)
         depth_sum, depth_count = masked_cross_entropy(model.logits(params, h, cfg), depth_labels, depth_mask)
         per_depth.append(depth_sum / depth_count)

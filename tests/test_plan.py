@@ -133,8 +133,13 @@ def test_moe_counts_and_flops():
     assert meg.counts.total == 2 * moe_layer + 128 + 24_576
     assert meg.counts.active == 2 * (16_384 + 2 * 64 * 128 * 2 + 256 + 64 * 4) + 128 + 24_576
     assert meg.flops_per_iteration == 855_638_016
-    with pytest.raises(ConfigError, match=r"model\.num_experts = 4 \(MoE\)"):
+    with pytest.raises(ConfigError, match=r"model\.activation = 'gelu' with MoE"):
         cfg.validate(1)
+    swiglu = cfg.replace(model=dataclasses.replace(cfg.model, activation="swiglu"))
+    assert plan_of(swiglu).unpredicted == ["model.num_experts = 4 (MoE activations)"]
+    swiglu.validate(1)
+    with pytest.raises(ConfigError, match=r"model\.num_experts = 4 \(MoE\) on 2 processes"):
+        swiglu.replace(parallel=ParallelConfig(dp_shard=2)).validate(2)
 
 
 def test_mla_counts():

@@ -70,6 +70,7 @@ def check_llama_compatible(cfg: ModelConfig) -> None:
         (cfg.activation != "swiglu", f"model.activation is {cfg.activation!r} (Llama: 'swiglu')"),
         (cfg.qk_layernorm, "model.qk_layernorm is on (Llama has no QK-norm)"),
         (cfg.mtp_num_layers > 0, f"model.mtp_num_layers is {cfg.mtp_num_layers} (Llama has no MTP modules)"),
+        (cfg.num_experts is not None, f"model.num_experts is {cfg.num_experts} (Llama has no MoE layers)"),
     ) if failed]
     if problems:
         raise ConfigError("the model is not Llama-compatible: " + "; ".join(problems)

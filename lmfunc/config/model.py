@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -80,16 +80,48 @@ class ModelConfig:
     (MaxText's scan_layers). Same numbers as the unstacked model; one process only for now (torch's
     scan does not take DTensor parameters)."""
     num_experts: Optional[int] = None
-    """Routed experts per MoE layer (Megatron's --num-experts). Planned by ``python -m lmfunc.plan``;
-    not trainable yet."""
+    """Routed experts per MoE layer (Megatron's --num-experts); None is a dense model. The MoE
+    layers replace the MLP with a router and SwiGLU experts (``lmfunc.model.moe``)."""
     moe_ffn_hidden_size: Optional[int] = None
     """Width of each expert's MLP; None means model.ffn_hidden_size (Megatron's rule)."""
     moe_router_topk: int = 2
     """Experts each token is routed to."""
-    moe_layer_freq: int = 1
-    """Layer i is an MoE layer when i % moe_layer_freq == 0 (Megatron's integer form)."""
+    moe_layer_freq: Union[int, tuple[int, ...]] = 1
+    """Which layers are MoE layers (Megatron's --moe-layer-freq): an int N makes layer i one when
+    i % N == 0; a 0/1 pattern with one entry per layer names them (0 1 1 1: DeepSeek's dense first
+    layer). Multi-token-prediction layers follow the last layer."""
     moe_shared_expert_intermediate_size: Optional[int] = None
-    """Width of the shared experts' MLP (None: no shared experts)."""
+    """Width of the shared experts' MLP, which every token passes through beside its routed
+    experts (None: no shared experts)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (weights not renormalised over the chosen k)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiplies the routing weights (DeepSeek-V3: 2.5)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: the experts form this many equal groups (DeepSeek's node-limited routing)."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: a token's experts come from its best this-many groups."""
+    moe_router_enable_expert_bias: bool = False
+    """DeepSeek-V3's aux-loss-free balancing: a per-expert bias (non-trainable, updated once per step
+    by moe_router_bias_update_rate x sign(mean load - load)) added to the sigmoid scores for the
+    choice of experts only."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step size of the expert-bias update."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    """Load-balancing loss: over the microbatch's tokens (Switch/GShard), per sequence (DeepSeek-V3),
+    or none. Weighted by moe_aux_loss_coeff."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0: not in the objective; Megatron's default)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss (None: none)."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Token dropping: each expert takes at most ceil(tokens x topk / experts x factor) pairs of a
+    microbatch and drops the rest (static shapes). None is dropless."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """With a capacity factor, which pairs an expert keeps: its highest-weighted ("probs") or its
+    earliest tokens ("position")."""
     multi_latent_attention: bool = False
     """Multi-head latent attention (DeepSeek's MLA). Planned by ``python -m lmfunc.plan``; not
     trainable yet."""
@@ -124,6 +156,20 @@ class ModelConfig:
         if self.activation == "swiglu":
             return int(8 * self.hidden_size / 3 / 64) * 64 or 64
         return 4 * self.hidden_size
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each of the num_layers layers is an MoE layer (all False without experts)."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return tuple(i % self.moe_layer_freq == 0 for i in range(self.num_layers))
+        return tuple(bool(flag) for flag in self.moe_layer_freq)
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Width of one routed expert's MLP."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     @property
     def rotary_dim(self) -> int:
@@ -192,14 +238,71 @@ def validate_model(cfg: ModelConfig) -> None:
              f"model.mtp_num_layers must be an integer >= 0, got {cfg.mtp_num_layers!r}")
     _require(cfg.mtp_loss_scaling_factor >= 0,
              f"model.mtp_loss_scaling_factor must be >= 0, got {cfg.mtp_loss_scaling_factor}")
-    _require(cfg.num_experts is None or cfg.num_experts > 0, f"model.num_experts must be positive, got {cfg.num_experts}")
-    _require(cfg.moe_router_topk > 0 and (cfg.num_experts is None or cfg.moe_router_topk <= cfg.num_experts),
-             f"model.moe_router_topk ({cfg.moe_router_topk}) must be between 1 and model.num_experts ({cfg.num_experts})")
-    _require(cfg.moe_layer_freq > 0, f"model.moe_layer_freq must be positive, got {cfg.moe_layer_freq}")
+    _validate_moe(cfg)
     _require(
         cfg.recompute_granularity in ("none", "selective", "full"),
         f"model.recompute_granularity must be 'none', 'selective' or 'full', got {cfg.recompute_granularity!r}",
     )
+
+
+def _validate_moe(cfg: ModelConfig) -> None:
+    """The mixture-of-experts fields (``validate_model``'s part)."""
+    _require(cfg.num_experts is None or cfg.num_experts > 0, f"model.num_experts must be positive, got {cfg.num_experts}")
+    _require(cfg.moe_router_topk > 0 and (cfg.num_experts is None or cfg.moe_router_topk <= cfg.num_experts),
+             f"model.moe_router_topk ({cfg.moe_router_topk}) must be between 1 and model.num_experts ({cfg.num_experts})")
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, int):
+        _require(freq > 0, f"model.moe_layer_freq must be positive, got {freq}")
+    else:
+        _require(len(freq) == cfg.num_layers and all(flag in (0, 1) for flag in freq),
+                 f"model.moe_layer_freq {list(freq)} must be an integer or one 0/1 per layer "
+                 f"(model.num_layers = {cfg.num_layers}), 1 marking an MoE layer")
+    if cfg.num_experts is None:
+        return
+    _require(cfg.expert_ffn_size > 0, f"model.moe_ffn_hidden_size must be positive, got {cfg.moe_ffn_hidden_size}")
+    _require(cfg.moe_shared_expert_intermediate_size is None or cfg.moe_shared_expert_intermediate_size > 0,
+             f"model.moe_shared_expert_intermediate_size must be positive, got {cfg.moe_shared_expert_intermediate_size}")
+    _require(cfg.moe_router_score_function in ("softmax", "sigmoid"),
+             f"model.moe_router_score_function must be 'softmax' or 'sigmoid', got {cfg.moe_router_score_function!r}")
+    _require(not cfg.moe_router_enable_expert_bias or cfg.moe_router_score_function == "sigmoid",
+             "model.moe_router_enable_expert_bias steers sigmoid scores (DeepSeek-V3); set "
+             "--model.moe-router-score-function sigmoid")
+    groups, group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    _require((groups is None) == (group_topk is None),
+             "model.moe_router_num_groups and model.moe_router_group_topk go together: set both or neither")
+    if groups is not None:
+        _require(groups > 0 and cfg.num_experts % groups == 0 and 0 < group_topk <= groups
+                 and cfg.moe_router_topk % group_topk == 0,
+                 f"group-limited routing needs model.num_experts ({cfg.num_experts}) divisible by "
+                 f"model.moe_router_num_groups ({groups}), and model.moe_router_group_topk ({group_topk}) at most "
+                 f"the groups and dividing model.moe_router_topk ({cfg.moe_router_topk})")
+    _require(cfg.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
+             "model.moe_router_load_balancing_type must be 'aux_loss', 'seq_aux_loss' or 'none', got "
+             f"{cfg.moe_router_load_balancing_type!r}")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        value = getattr(cfg, name)
+        _require(value is None or value >= 0, f"model.{name} must be >= 0, got {value}")
+    _require(cfg.moe_expert_capacity_factor is None or cfg.moe_expert_capacity_factor > 0,
+             f"model.moe_expert_capacity_factor must be positive (None: dropless), got {cfg.moe_expert_capacity_factor}")
+    _require(cfg.moe_token_drop_policy in ("probs", "position"),
+             f"model.moe_token_drop_policy must be 'probs' or 'position', got {cfg.moe_token_drop_policy!r}")
+
+
+def unbuildable_moe_features(cfg: ModelConfig) -> list[str]:
+    """The MoE settings that Megatron has (and ``lmfunc.plan`` plans) but lmfunc's model does not
+    build, each named with its fix (empty for a dense model)."""
+    if cfg.num_experts is None:
+        return []
+    found = []
+    if cfg.activation != "swiglu":
+        found.append(f"model.activation = {cfg.activation!r} with MoE (lmfunc's experts are SwiGLU: --model.activation swiglu)")
+    if cfg.add_bias_linear:
+        found.append("model.add_bias_linear with MoE (lmfunc's router and experts have no biases: "
+                     "--model.no-add-bias-linear)")
+    if cfg.scan_layers:
+        found.append("model.scan_layers with MoE (the scanned blocks do not return the routers' statistics: "
+                     "--model.no-scan-layers)")
+    return found
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -218,6 +321,14 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         vocab_size=50304, hidden_size=768, num_layers=12, num_attention_heads=12,
         max_position_embeddings=1024, position_embedding_type="learned_absolute",
         normalization="LayerNorm", activation="gelu", add_bias_linear=True,
+    ),
+    # Qwen3-MoE / Mixtral style at the CPU default's scale: GQA 4/2 with QK-norm, every layer 8 SwiGLU
+    # experts with softmax top-2 routing (about the dense "small" model's active MLP parameters),
+    # load-balancing and z-losses; dropless.
+    "moe-small": ModelConfig(
+        vocab_size=384, hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
+        qk_layernorm=True, max_position_embeddings=256, num_experts=8, moe_router_topk=2,
+        moe_ffn_hidden_size=256, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
     ),
     # Llama-3.2-1B layout: GQA 32/8, SwiGLU 8192, RoPE base 500000, RMSNorm, tied head.
     "llama-1b": ModelConfig(

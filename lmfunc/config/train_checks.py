@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lmfunc.config.model import ConfigError
+from lmfunc.config.model import ConfigError, unbuildable_moe_features
 from lmfunc.config.parallel import check_divisibility
 from lmfunc.config.pipeline import check_microbatches, check_schedule_model, pipeline_split
 
@@ -155,13 +155,14 @@ def _validate_context_parallel(cfg: TrainConfig) -> None:
              "gathered across cp has no dropout; set --model.attention-dropout 0")
 
 
-def untrainable_features(cfg: TrainConfig) -> list[str]:
-    """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet, each named
-    with its value (empty when the run is trainable)."""
+def untrainable_features(cfg: TrainConfig, world_size: int = 1) -> list[str]:
+    """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet on
+    ``world_size`` processes, each named with its value (empty when the run is trainable)."""
     p, m = cfg.parallel, cfg.model
     found = [f"parallel.ep = {p.ep}"] if p.ep != 1 else []
-    if m.num_experts is not None:
-        found.append(f"model.num_experts = {m.num_experts} (MoE)")
+    found += unbuildable_moe_features(m)
+    if m.num_experts is not None and world_size > 1:
+        found.append(f"model.num_experts = {m.num_experts} (MoE) on {world_size} processes")
     if m.multi_latent_attention:
         found.append("model.multi_latent_attention (MLA)")
     return found
@@ -173,9 +174,10 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     (``untrainable_features``)."""
     run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
     if not planning:
-        missing = untrainable_features(cfg)
+        missing = untrainable_features(cfg, world_size)
         _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
-                              "lmfunc.plan plans such runs); dp_replicate, dp_shard, cp, tp and pp are")
+                              "lmfunc.plan plans such runs); dp_replicate, dp_shard, cp, tp and pp are, and MoE "
+                              "layers on one process")
     if cfg.parallel.cp > 1:
         _validate_context_parallel(cfg)
     _require(not cfg.model.scan_layers or world_size == 1,

@@ -76,8 +76,13 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     if origin is Union:
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, where)
+        inner = [a for a in args if a is not type(None)]
+        for candidate in inner[:-1]:  # the first type the value converts to (int before a list of ints)
+            try:
+                return _convert(value, candidate, where)
+            except ConfigError:
+                continue
+        return _convert(value, inner[-1], where)
     if origin is Literal:
         if value in args:
             return value

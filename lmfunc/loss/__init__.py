@@ -1,8 +1,8 @@
 """Losses of the language model: the next-token loss (``next_token``), the output layer fused with
-its cross entropy over token chunks (``chunked_output``), and auxiliary losses that reach the
-gradient through ``attach_aux_loss`` (``aux``: MTP today, MoE router losses next)."""
+its cross entropy over token chunks (``chunked_output``); auxiliary losses (multi-token prediction
+here, the MoE router's losses in the model) reach the gradient through ``lmfunc.grad.attach_aux_loss``."""
 
-from lmfunc.loss.aux import attach_aux_loss
+from lmfunc.grad import attach_aux_loss
 from lmfunc.loss.chunked_output import IGNORE_INDEX, chunked_output_layer_loss
 from lmfunc.loss.next_token import (
     LossOutput,

@@ -17,10 +17,11 @@ from torch.distributed.tensor import DTensor
 
 from lmfunc import model
 from lmfunc.config import ModelConfig
-from lmfunc.loss.aux import attach_aux_loss
+from lmfunc.grad import attach_aux_loss
 from lmfunc.loss.chunked_output import chunked_output_layer_loss
 from lmfunc.model import mtp
 from lmfunc.model.layers import upcast
+from lmfunc.model.moe import RouterStats
 from lmfunc.parallel.context import is_context_parallel
 from lmfunc.parallel.placement import vocab_parallel
 
@@ -74,12 +75,16 @@ def output_layer_loss(
 
 class LossOutput(NamedTuple):
     """Sums and counts of one batch. ``mtp_loss_sums``/``mtp_num_tokens`` are ``[D]`` (empty
-    without multi-token prediction); the per-token mean of depth k is their ratio."""
+    without multi-token prediction); the per-token mean of depth k is their ratio. With MoE layers,
+    ``router`` holds their ``RouterStats`` stacked over the layers (``model.gpt.moe_layer_names``
+    order): ``load`` ``[L_moe, E]``, ``losses`` ``[L_moe, 3]``, ``dropped`` ``[L_moe]``; None
+    for a dense model."""
 
     loss_sum: torch.Tensor
     num_tokens: torch.Tensor
     mtp_loss_sums: torch.Tensor
     mtp_num_tokens: torch.Tensor
+    router: Optional[RouterStats] = None
 
 
 def mtp_aux_loss(
@@ -120,22 +125,48 @@ def lm_loss(
     batch: Mapping[str, torch.Tensor],
     cfg: ModelConfig,
     dropout_seed: Optional[torch.Tensor] = None,
-    mtp_grad_scale: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
     calculate_per_token_loss: bool = True,
 ) -> LossOutput:
-    """Next-token loss of one batch and, when asked for, the multi-token-prediction losses.
+    """Next-token loss of one batch and, when asked for, the multi-token-prediction losses, with
+    the MoE layers' router statistics.
 
     ``batch`` holds ``tokens`` and ``labels`` ``[B, S]`` and optionally ``loss_mask``,
     ``position_ids`` and ``doc_ids`` ``[B, S]``.
-    mtp_grad_scale: when given and ``cfg.mtp_num_layers > 0``, the MTP depths run and their
+    grad_scale: the gradient one unit of the main loss receives (the loss scale times the step's
+        normalisation). When given and ``cfg.mtp_num_layers > 0``, the MTP depths run and their
         objective (``mtp_aux_loss``) is attached to the final hidden states with
-        ``attach_aux_loss``, receiving this gradient (the loss scale times the step's
-        normalisation). Without it (evaluation) the MTP depths are skipped. It is also the range
-        hint of the chunked head (``output_layer_loss``).
+        ``attach_aux_loss``; without it (evaluation) the MTP depths are skipped. The MoE layers'
+        router losses receive ``router_grad_scale``. It is also the range hint of the chunked head
+        (``output_layer_loss``).
     """
-    hidden = model.forward(params, batch["tokens"], cfg, positions=batch.get("position_ids"), doc_ids=batch.get("doc_ids"),
-                           dropout_seed=dropout_seed)
-    return lm_loss_of_hidden(params, hidden, batch, cfg, dropout_seed, mtp_grad_scale, calculate_per_token_loss)
+    decoded = model.gpt.decoder(params, batch["tokens"], cfg, positions=batch.get("position_ids"),
+                                doc_ids=batch.get("doc_ids"), dropout_seed=dropout_seed,
+                                aux_grad_scale=router_grad_scale(batch, grad_scale, calculate_per_token_loss))
+    out = lm_loss_of_hidden(params, decoded.hidden, batch, cfg, dropout_seed, grad_scale, calculate_per_token_loss)
+    if not decoded.router_stats:
+        return out
+    router = stacked_router_stats(decoded.router_stats)
+    if out.router is not None:
+        router = RouterStats(*(torch.cat(pair) for pair in zip(router, out.router)))
+    return out._replace(router=router)
+
+
+def stacked_router_stats(stats: list[RouterStats]) -> RouterStats:
+    """Per-layer ``RouterStats`` stacked into one with a leading layer dim."""
+    return RouterStats(*(torch.stack(field) for field in zip(*stats)))
+
+
+def router_grad_scale(batch: Mapping[str, torch.Tensor], grad_scale: Optional[torch.Tensor],
+                      calculate_per_token_loss: bool) -> Optional[torch.Tensor]:
+    """The gradient of one unit of a microbatch's router loss, given ``grad_scale`` (the step's
+    gradient of one unit of its main loss): the same, times the microbatch's B * S tokens with
+    ``calculate_per_token_loss`` (where ``grad_scale`` holds 1 / the batch's loss tokens). Megatron
+    does the same, so the router losses weigh as the mean over microbatches and data-parallel ranks
+    of each microbatch's loss either way."""
+    if grad_scale is None or not calculate_per_token_loss:
+        return grad_scale
+    return grad_scale * batch["tokens"].numel()
 
 
 def lm_loss_of_hidden(
@@ -144,27 +175,29 @@ def lm_loss_of_hidden(
     batch: Mapping[str, torch.Tensor],
     cfg: ModelConfig,
     dropout_seed: Optional[torch.Tensor] = None,
-    mtp_grad_scale: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
     calculate_per_token_loss: bool = True,
 ) -> LossOutput:
     """``lm_loss`` from the final hidden states ``[B, S, h]`` (``model.forward``'s output): the output
     layer, the cross entropy and the MTP depths; the last pipeline stage's part. Arguments as
     ``lm_loss``; MTP reads ``batch["tokens"]``."""
     tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch.get("loss_mask")
-    grad_hint = mtp_grad_scale
+    grad_hint = grad_scale
     if grad_hint is not None and not calculate_per_token_loss:
         count = loss_mask.to(torch.float32).sum() if loss_mask is not None else torch.tensor(float(labels.numel()), device=labels.device)
         grad_hint = grad_hint / torch.clamp(count, min=1.0)
     positions, doc_ids = batch.get("position_ids"), batch.get("doc_ids")
     mtp_sums, mtp_counts = [], []
-    if cfg.mtp_num_layers > 0 and mtp_grad_scale is not None:
+    if cfg.mtp_num_layers > 0 and grad_scale is not None:
         mask = loss_mask.to(torch.float32) if loss_mask is not None else torch.ones_like(labels, dtype=torch.float32)
         depth_labels, depth_mask, main_count = labels, mask, mask.sum()
         # d(objective)/d(depth k's loss sum), as mtp_aux_loss defines the objective
-        aux_grad = mtp_grad_scale * (cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)
+        aux_grad = grad_scale * (cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers)
         if calculate_per_token_loss:
             aux_grad = aux_grad * main_count
-        for h in mtp.forward(params, hidden, tokens, cfg, positions, doc_ids, dropout_seed):
+        depth_hidden, router_stats = mtp.forward(params, hidden, tokens, cfg, positions, doc_ids, dropout_seed,
+                                                 router_grad_scale(batch, grad_scale, calculate_per_token_loss))
+        for h in depth_hidden:
             depth_labels, depth_mask = mtp.roll_left(depth_labels), mtp.roll_left(depth_mask)
             depth_hint = aux_grad / torch.clamp(depth_mask.sum(), min=1.0)
             depth_sum, depth_count = output_layer_loss(params, h, depth_labels, depth_mask, cfg, depth_hint)
@@ -172,8 +205,9 @@ def lm_loss_of_hidden(
             mtp_counts.append(depth_count)
         sums, counts = torch.stack(mtp_sums), torch.stack(mtp_counts)
         aux = mtp_aux_loss(sums, counts, main_count, cfg, calculate_per_token_loss)
-        hidden = attach_aux_loss(hidden, aux, mtp_grad_scale)
+        hidden = attach_aux_loss(hidden, aux, grad_scale)
     loss_sum, num_tokens = output_layer_loss(params, hidden, labels, loss_mask, cfg, grad_hint)
     if not mtp_sums:
         return LossOutput(loss_sum, num_tokens, loss_sum.new_zeros(0), loss_sum.new_zeros(0))
-    return LossOutput(loss_sum, num_tokens, sums, counts)
+    router = stacked_router_stats(router_stats) if router_stats else None
+    return LossOutput(loss_sum, num_tokens, sums, counts, router)

@@ -7,6 +7,8 @@ Tree layout (dotted names are stable; ``layers`` is keyed "0", "1", ...)::
     layers.<i>.attn.{wq [h, a*d], wk [h, g*d], wv [h, g*d], wo [a*d, h], bq, bk, bv, bo, q_norm, k_norm}
     layers.<i>.mlp_norm.{scale, bias}
     layers.<i>.mlp.{w_gate, w_up [h, f] | w_in [h, f]; w_out [f, h]; b_*}
+    layers.<i>.mlp.{router.{weight [h, E], expert_bias [E]}, experts.{w_gate, w_up [E, h, f], w_out [E, f, h]},
+                    shared_experts.{w_gate, w_up [h, fs], w_out [fs, h]}}   (MoE layers, model.moe_layers)
     final_norm.{scale, bias}
     output [h, V]                  (untied only)
     mtp.<k>.{enorm, hnorm, eh_proj [2h, h], layer.<as layers.<i>>, final_norm}   (mtp_num_layers > 0)
@@ -16,7 +18,9 @@ on, one leading axis (logical name "layers") over the blocks, and ``forward`` ru
 torch's ``scan``. ``stack_layers``/``unstack_layers`` convert between the two trees.
 
 One table (``param_specs``) gives every leaf's shape, logical axes and initialiser, so
-``init`` and ``param_axes`` can never disagree.
+``init`` and ``param_axes`` can never disagree. A leaf can be non-trainable state that travels with
+the parameters (checkpoints, exports, evaluation): the routers' ``expert_bias``, which receives no
+gradient and which the train step sets with ``updated_expert_biases``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from typing import Iterable, NamedTuple, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from lmfunc.config import ModelConfig
-from lmfunc.model import layers
+from lmfunc.config import ConfigError, ModelConfig
+from lmfunc.config.model import unbuildable_moe_features
+from lmfunc.model import layers, moe
+from lmfunc.model.moe import RouterStats
 from lmfunc.model.recompute import checkpointed
 from lmfunc.parallel.placement import compute_layout, embedding_lookup, gather, region, residual_layout
 from lmfunc.tree import Axes, tree_map, tree_map_with_path
@@ -41,11 +47,13 @@ Params = dict
 
 
 class LeafSpec(NamedTuple):
-    """Shape, logical axis names and initialiser ("normal", "scaled_normal", "ones", "zeros") of a leaf."""
+    """Shape, logical axis names and initialiser ("normal", "scaled_normal", "ones", "zeros") of a
+    leaf; ``trainable`` False for state that the step sets without a gradient."""
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     init: str
+    trainable: bool = True
 
 
 def _norm_spec(cfg: ModelConfig, size: int, axis: str) -> dict:
@@ -55,7 +63,8 @@ def _norm_spec(cfg: ModelConfig, size: int, axis: str) -> dict:
     return spec
 
 
-def _layer_spec(cfg: ModelConfig) -> dict:
+def _layer_spec(cfg: ModelConfig, is_moe: bool = False) -> dict:
+    """One transformer block; its MLP an MoE layer when ``is_moe``."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
     q_out, kv_out = cfg.num_attention_heads * d, cfg.query_groups * d
     attn = {
@@ -73,29 +82,59 @@ def _layer_spec(cfg: ModelConfig) -> dict:
         }
     if cfg.qk_layernorm:
         attn |= {"q_norm": _norm_spec(cfg, d, "head_dim"), "k_norm": _norm_spec(cfg, d, "head_dim")}
+    return {
+        "attn_norm": _norm_spec(cfg, h, "embed"),
+        "attn": attn,
+        "mlp_norm": _norm_spec(cfg, h, "embed"),
+        "mlp": _moe_spec(cfg) if is_moe else _mlp_spec(cfg, f),
+    }
+
+
+def _mlp_spec(cfg: ModelConfig, f: int) -> dict:
+    """A dense MLP of width ``f``."""
+    h = cfg.hidden_size
     inputs = ("w_gate", "w_up") if cfg.activation == "swiglu" else ("w_in",)
     mlp = {name: LeafSpec((h, f), ("embed", "mlp"), "normal") for name in inputs}
     mlp["w_out"] = LeafSpec((f, h), ("mlp", "embed"), "scaled_normal")
     if cfg.add_bias_linear:
         mlp |= {"b" + name[1:]: LeafSpec((f,), ("mlp",), "zeros") for name in inputs}
         mlp["b_out"] = LeafSpec((h,), ("embed",), "zeros")
-    return {
-        "attn_norm": _norm_spec(cfg, h, "embed"),
-        "attn": attn,
-        "mlp_norm": _norm_spec(cfg, h, "embed"),
-        "mlp": mlp,
+    return mlp
+
+
+def _moe_spec(cfg: ModelConfig) -> dict:
+    """An MoE layer (``lmfunc.model.moe.moe_mlp``): router, routed experts, optional shared experts."""
+    h, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_ffn_size
+    router = {"weight": LeafSpec((h, e), ("embed", "router"), "normal")}
+    if cfg.moe_router_enable_expert_bias:
+        router["expert_bias"] = LeafSpec((e,), ("router",), "zeros", trainable=False)
+    spec = {
+        "router": router,
+        "experts": {
+            "w_gate": LeafSpec((e, h, f), ("experts", "embed", "expert_mlp"), "normal"),
+            "w_up": LeafSpec((e, h, f), ("experts", "embed", "expert_mlp"), "normal"),
+            "w_out": LeafSpec((e, f, h), ("experts", "expert_mlp", "embed"), "scaled_normal"),
+        },
     }
+    if cfg.moe_shared_expert_intermediate_size:
+        spec["shared_experts"] = _mlp_spec(cfg, cfg.moe_shared_expert_intermediate_size)
+    return spec
 
 
 def param_specs(cfg: ModelConfig) -> Params:
-    """The parameter tree with a ``LeafSpec`` at every leaf."""
+    """The parameter tree with a ``LeafSpec`` at every leaf. A ``ConfigError`` names the MoE settings
+    the model cannot build (``unbuildable_moe_features``)."""
+    unbuildable = unbuildable_moe_features(cfg)
+    if unbuildable:
+        raise ConfigError(f"{'; '.join(unbuildable)}: not implemented in this version of lmfunc")
     h, v = cfg.hidden_size, cfg.vocab_size
     embed = {"tokens": LeafSpec((v, h), ("vocab", "embed"), "normal")}
     if cfg.position_embedding_type == "learned_absolute":
         embed["positions"] = LeafSpec((cfg.max_position_embeddings, h), ("position", "embed"), "normal")
     specs: Params = {
         "embed": embed,
-        "layers": _stacked_layer_spec(cfg) if cfg.scan_layers else {str(i): _layer_spec(cfg) for i in range(cfg.num_layers)},
+        "layers": _stacked_layer_spec(cfg) if cfg.scan_layers else {
+            str(i): _layer_spec(cfg, is_moe) for i, is_moe in enumerate(cfg.moe_layers)},
         "final_norm": _norm_spec(cfg, h, "embed"),
     }
     if not cfg.tie_embeddings:
@@ -107,19 +146,20 @@ def param_specs(cfg: ModelConfig) -> Params:
 
 def _stacked_layer_spec(cfg: ModelConfig) -> dict:
     """One block's specs with a leading ``[L]`` axis named ``LAYER_AXIS`` on every leaf."""
-    return tree_map(lambda s: LeafSpec((cfg.num_layers, *s.shape), (LAYER_AXIS, *s.axes), s.init), _layer_spec(cfg),
-                    is_leaf=_is_spec)
+    return tree_map(lambda s: LeafSpec((cfg.num_layers, *s.shape), (LAYER_AXIS, *s.axes), s.init, s.trainable),
+                    _layer_spec(cfg), is_leaf=_is_spec)
 
 
 def _mtp_spec(cfg: ModelConfig) -> dict:
     """One multi-token-prediction depth: norms of the embedding and of the previous hidden state,
-    the ``[2h, h]`` projection of their concatenation, one transformer layer and its final norm."""
+    the ``[2h, h]`` projection of their concatenation, one transformer layer (an MoE layer when the
+    decoder's last layer is one, as Megatron builds it) and its final norm."""
     h = cfg.hidden_size
     return {
         "enorm": _norm_spec(cfg, h, "embed"),
         "hnorm": _norm_spec(cfg, h, "embed"),
         "eh_proj": LeafSpec((2 * h, h), ("mtp_concat", "embed"), "normal"),
-        "layer": _layer_spec(cfg),
+        "layer": _layer_spec(cfg, cfg.moe_layers[-1]),
         "final_norm": _norm_spec(cfg, h, "embed"),
     }
 
@@ -149,7 +189,7 @@ def init_leaf(spec: LeafSpec, path: str, cfg: ModelConfig, seed: int, dtype: tor
     A stacked block leaf (``layers.attn.wq``, leading axis ``LAYER_AXIS``) is the stack of the
     unstacked model's leaves ``layers.<i>.attn.wq``, so both layouts start from the same weights."""
     if spec.axes[:1] == (LAYER_AXIS,):
-        inner, rest = LeafSpec(spec.shape[1:], spec.axes[1:], spec.init), path.split(".", 1)[1]
+        inner, rest = LeafSpec(spec.shape[1:], spec.axes[1:], spec.init, spec.trainable), path.split(".", 1)[1]
         return torch.stack([init_leaf(inner, f"layers.{i}.{rest}", cfg, seed, dtype) for i in range(spec.shape[0])])
     if spec.init == "ones":
         return torch.ones(spec.shape, dtype=dtype)
@@ -189,16 +229,20 @@ def _check_inputs(tokens: torch.Tensor, cfg: ModelConfig, positions, doc_ids) ->
 def block(
     p: Params, x: torch.Tensor, cfg: ModelConfig, rope, mask,
     dropout_seed: Optional[torch.Tensor] = None, layer_index: Union[int, torch.Tensor] = 0,
-) -> torch.Tensor:
-    """One pre-norm transformer block ``[B, S, h] -> [B, S, h]``. ``layer_index`` (an int, or a
-    0-dim integer tensor under ``scan``) separates the block's dropout streams from the others'."""
+    aux_grad_scale: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[RouterStats]]:
+    """One pre-norm transformer block ``[B, S, h] -> [B, S, h]``, and its router's statistics when
+    its MLP is an MoE layer (None otherwise; ``aux_grad_scale`` as in ``decoder``). ``layer_index``
+    (an int, or a 0-dim integer tensor under ``scan``) separates the block's dropout streams from
+    the others'."""
     stream, sp = 8 * (layer_index + 1), cfg.sequence_parallel
     h = compute_layout(layers.norm(p["attn_norm"], x, cfg))
     attn_out = residual_layout(layers.attention(p["attn"], h, cfg, rope, mask, dropout_seed, stream), sp)
     x = x + layers.dropout(attn_out, cfg.hidden_dropout, dropout_seed, stream + 1)
     h = compute_layout(layers.norm(p["mlp_norm"], x, cfg))
-    mlp_out = residual_layout(layers.mlp(p["mlp"], h, cfg), sp)
-    return x + layers.dropout(mlp_out, cfg.hidden_dropout, dropout_seed, stream + 2)
+    mlp_out, stats = moe.feed_forward(p["mlp"], h, cfg, aux_grad_scale)
+    mlp_out = residual_layout(mlp_out, sp)
+    return x + layers.dropout(mlp_out, cfg.hidden_dropout, dropout_seed, stream + 2), stats
 
 
 def embed_tokens(params: Params, tokens: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -221,15 +265,25 @@ def embed(
     return embed_tokens(params, tokens, positions, cfg), rope_for(positions, cfg)
 
 
-def forward(
+class DecoderOutput(NamedTuple):
+    """``decoder``'s result: the final-normed hidden states ``[B, S, h]`` and one ``RouterStats``
+    per MoE layer, in layer order (empty for a dense model)."""
+
+    hidden: torch.Tensor
+    router_stats: list[RouterStats]
+
+
+def decoder(
     params: Params,
     tokens: torch.Tensor,
     cfg: ModelConfig,
     positions: Optional[torch.Tensor] = None,
     doc_ids: Optional[torch.Tensor] = None,
     dropout_seed: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Final-normed hidden states ``[B, S, h]`` for ``tokens`` ``[B, S]``.
+    aux_grad_scale: Optional[torch.Tensor] = None,
+) -> DecoderOutput:
+    """The decoder on ``tokens`` ``[B, S]``: final-normed hidden states ``[B, S, h]`` and the MoE
+    layers' router statistics.
 
     positions: ``[B, S]`` or ``[S]`` integer positions (default ``0..S-1``), e.g. restarted
         after each end-of-document token.
@@ -237,6 +291,8 @@ def forward(
         documents (a token only sees earlier tokens of its own document).
     dropout_seed: integer tensor; dropout (``hidden_dropout``/``attention_dropout``) is applied
         only when it is given, and is a pure function of it.
+    aux_grad_scale: when given, each MoE layer's weighted router losses receive this gradient
+        (``lmfunc.grad.attach_aux_loss``): the train step's scale of one unit of objective.
     """
     _check_inputs(tokens, cfg, positions, doc_ids)
     positions, mask = layers.positions_and_mask(tokens, positions, doc_ids)
@@ -245,10 +301,23 @@ def forward(
         rope = rope_for(positions, cfg)
     if cfg.scan_layers:
         run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
-        x = _scan_blocks(run_block, params["layers"], x, cfg, rope, mask, dropout_seed)
+        x, stats = _scan_blocks(run_block, params["layers"], x, cfg, rope, mask, dropout_seed), []
     else:
-        x = run_layers(params, x, cfg, rope, mask, dropout_seed, range(cfg.num_layers))
-    return final_hidden(params, x, cfg)
+        x, stats = run_layers(params, x, cfg, rope, mask, dropout_seed, range(cfg.num_layers), aux_grad_scale)
+    return DecoderOutput(final_hidden(params, x, cfg), stats)
+
+
+def forward(
+    params: Params,
+    tokens: torch.Tensor,
+    cfg: ModelConfig,
+    positions: Optional[torch.Tensor] = None,
+    doc_ids: Optional[torch.Tensor] = None,
+    dropout_seed: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Final-normed hidden states ``[B, S, h]`` for ``tokens`` ``[B, S]`` (``decoder``'s hidden
+    states; arguments as there)."""
+    return decoder(params, tokens, cfg, positions, doc_ids, dropout_seed).hidden
 
 
 def embed_input(params: Params, tokens: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig,
@@ -261,15 +330,19 @@ def embed_input(params: Params, tokens: torch.Tensor, positions: torch.Tensor, c
 
 
 def run_layers(params: Params, x: torch.Tensor, cfg: ModelConfig, rope, mask, dropout_seed: Optional[torch.Tensor],
-               indices: Iterable[int]) -> torch.Tensor:
+               indices: Iterable[int], aux_grad_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[RouterStats]]:
     """The unstacked blocks ``layers.<i>`` for ``i`` in ``indices`` (model-wide indices: they name the
     leaves, the regions and the dropout streams), in order, recomputed with full recompute;
-    ``[B, S, h] -> [B, S, h]``. A pipeline stage runs its own indices."""
+    ``[B, S, h] -> [B, S, h]``, and the router statistics of the MoE layers among them. A pipeline
+    stage runs its own indices."""
     run_block = checkpointed(block) if cfg.recompute_granularity == "full" else block
+    stats = []
     for i in indices:
         with region(f"layers.{i}"):
-            x = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i)
-    return x
+            x, layer_stats = run_block(params["layers"][str(i)], x, cfg, rope, mask, dropout_seed, i, aux_grad_scale)
+        if layer_stats is not None:
+            stats.append(layer_stats)
+    return x, stats
 
 
 def final_hidden(params: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -287,7 +360,7 @@ def _scan_blocks(run_block, stacked: Params, x: torch.Tensor, cfg: ModelConfig, 
 
     def body(carry: torch.Tensor, layer: tuple[Params, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         p, index = layer
-        out = run_block(p, carry, cfg, rope, mask, dropout_seed, index)
+        out, _ = run_block(p, carry, cfg, rope, mask, dropout_seed, index)
         return out, out.new_zeros(())
 
     indices = torch.arange(cfg.num_layers, device=x.device)
@@ -321,3 +394,35 @@ def output_weight(params: Params, cfg: ModelConfig) -> torch.Tensor:
 def logits(params: Params, hidden: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Vocabulary logits ``[B, S, V]`` from final hidden states ``[B, S, h]``."""
     return hidden @ output_weight(params, cfg)
+
+
+def moe_layer_names(cfg: ModelConfig) -> list[str]:
+    """Dotted names of the MoE layers' MLP subtrees, in the order their ``RouterStats`` come out of
+    ``decoder`` and then ``mtp.forward``: ``layers.<i>.mlp`` ..., ``mtp.<k>.layer.mlp`` ..."""
+    names = [f"layers.{i}.mlp" for i, is_moe in enumerate(cfg.moe_layers) if is_moe]
+    if cfg.moe_layers[-1]:
+        names += [f"mtp.{k}.layer.mlp" for k in range(cfg.mtp_num_layers)]
+    return names
+
+
+def updated_expert_biases(params: Params, load: torch.Tensor, cfg: ModelConfig) -> Params:
+    """``params`` with every router's ``expert_bias`` moved by DeepSeek-V3's aux-loss-free step
+    (``moe.updated_expert_bias`` at ``moe_router_bias_update_rate``), ``load`` ``[L_moe, E]`` the
+    pairs each expert of each MoE layer (``moe_layer_names`` order) took over the step. Other
+    leaves are shared; without expert biases ``params`` itself."""
+    if not cfg.moe_router_enable_expert_bias:
+        return params
+    new = dict(params)
+    for name, layer_load in zip(moe_layer_names(cfg), load.unbind(0)):
+        *parents, last = name.split(".")
+        node = new
+        for key in parents:
+            node[key] = dict(node[key])
+            node = node[key]
+        mlp = dict(node[last])
+        router = dict(mlp["router"])
+        router["expert_bias"] = moe.updated_expert_bias(router["expert_bias"], layer_load,
+                                                        cfg.moe_router_bias_update_rate)
+        mlp["router"] = router
+        node[last] = mlp
+    return new

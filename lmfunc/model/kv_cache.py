@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfunc.config import ModelConfig
-from lmfunc.model import layers
+from lmfunc.model import layers, moe
 from lmfunc.model.gpt import Params, embed, layer_params
 
 Cache = dict
@@ -72,7 +72,7 @@ def forward_cached(params: Params, tokens: torch.Tensor, cfg: ModelConfig, cache
             attn_mask=visible, enable_gqa=cfg.num_attention_heads != cfg.query_groups,
         )
         x = x + layers.project_out(p["attn"], heads, cfg)
-        x = x + layers.mlp(p["mlp"], layers.norm(p["mlp_norm"], x, cfg), cfg)
+        x = x + moe.feed_forward(p["mlp"], layers.norm(p["mlp_norm"], x, cfg), cfg)[0]
         new_layers[str(i)] = {"k": keys, "v": values}
     hidden = layers.norm(params["final_norm"], x, cfg)
     return hidden, {"layers": new_layers, "length": torch.tensor(end, dtype=torch.int64, device=tokens.device)}

@@ -8,10 +8,18 @@ bias steering the choice but not the weights. Its losses (``load_balancing_loss`
 
 The experts are SwiGLU MLPs stacked along a leading expert dim. ``experts_dropless`` sends every
 (token, expert) pair to its expert: the pairs sorted by expert, one grouped matmul per projection
-(``torch._grouped_mm``; a loop over experts for dtypes it lacks). ``experts_with_capacity`` gives
+(``grouped_mm``: ``torch._grouped_mm`` as a custom op with its own backward, so it compiles in every
+dtype; a loop over experts for dtypes the kernel lacks). ``experts_with_capacity`` gives
 every expert a fixed number of slots (``expert_capacity``) and drops the pairs beyond them with
 Megatron's policies ("probs": an expert keeps its highest-weighted pairs; "position": its earliest
 tokens), so every shape is static.
+
+``moe_mlp`` is the layer that replaces a block's MLP: the router (``router.weight`` ``[h, E]``,
+``router.expert_bias`` ``[E]``), the routed experts (``experts.{w_gate, w_up}`` ``[E, h, f]``,
+``experts.w_out`` ``[E, f, h]``) and optional shared experts (a dense SwiGLU MLP every token passes
+through). Its router losses join the gradient through ``attach_aux_loss`` on the layer's output
+(Megatron's ``MoEAuxLossAutoScaler``); its ``RouterStats`` leave the model for the metrics and the
+expert-bias update.
 
 Shapes: T tokens (batch and sequence flattened), h hidden, E experts, k experts per token, f the
 expert MLP width.
@@ -24,6 +32,13 @@ from typing import Literal, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
+
+from lmfunc.config import ModelConfig
+from lmfunc.grad import attach_aux_loss
+from lmfunc.model import layers
+
+ROUTER_LOSSES = ("aux_loss", "seq_aux_loss", "z_loss")
+"""The router losses ``RouterStats.losses`` holds, in order (Megatron's names)."""
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
@@ -206,30 +221,162 @@ def experts_with_capacity(x: torch.Tensor, routing: Routing, w_gate: torch.Tenso
     return x.new_zeros(tokens, hidden).index_add(0, token, out * weights), keep
 
 
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Dtypes that ``torch._grouped_mm`` takes (eagerly; others loop over the groups)."""
+
+
+@torch.library.custom_op("lmfunc::grouped_mm", mutates_args=())
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``[T, K]`` sorted by group times their group's matrix of ``weights`` ``[E, K, N]``:
+    ``[T, N]``, group e owning rows ``ends[e-1]:ends[e]`` (``ends`` ``[E]`` int32 cumulative).
+    One ``torch._grouped_mm`` for ``GROUPED_DTYPES``, a loop over the groups otherwise. A custom op,
+    so the compiled step calls the same kernel as eager code whatever the dtype: the kernel's
+    tracing rule takes bf16 only."""
+    if rows.dtype in GROUPED_DTYPES:
+        return torch._grouped_mm(rows.contiguous(), weights, offs=ends)
+    starts = [0] + ends.tolist()[:-1]
+    return torch.cat([rows[a:b] @ weights[e] for e, (a, b) in enumerate(zip(starts, ends.tolist()))])
+
+
+@grouped_mm.register_fake
+def _grouped_mm_shape(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], weights.shape[-1])
+
+
+@torch.library.custom_op("lmfunc::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(rows: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``grouped_mm``'s weights ``[E, K, N]``: group e's ``rows[group].T @
+    grad[group]`` for ``rows`` ``[T, K]`` and ``grad`` ``[T, N]`` (zero for an empty group)."""
+    if rows.dtype in GROUPED_DTYPES:
+        return torch._grouped_mm(rows.t(), grad.contiguous(), offs=ends)
+    starts = [0] + ends.tolist()[:-1]
+    return torch.stack([rows[a:b].t() @ grad[a:b] for a, b in zip(starts, ends.tolist())])
+
+
+@grouped_mm_weight_grad.register_fake
+def _grouped_mm_weight_grad_shape(rows: torch.Tensor, grad: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(ends.shape[0], rows.shape[1], grad.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    rows, weights, ends = inputs
+    ctx.save_for_backward(rows, weights, ends)
+
+
+def _grouped_mm_backward(ctx, grad: torch.Tensor):
+    rows, weights, ends = ctx.saved_tensors
+    grad = grad.contiguous()  # the kernel refuses stride-0 gradients (a sum's, expanded)
+    return grouped_mm(grad, weights.transpose(1, 2), ends), grouped_mm_weight_grad(rows, grad, ends), None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
 def experts_dropless(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor,
                      w_down: torch.Tensor) -> torch.Tensor:
     """The weighted sum of each token's experts for tokens ``x`` ``[T, h]`` (weights as in
     ``experts_with_capacity``), every pair kept: the pairs sorted by expert and each projection one
-    grouped matmul over the experts' row ranges (``torch._grouped_mm``). Eager, torch 2.13 runs
-    that on the CPU in fp32, bf16 and fp16 (other dtypes loop over the experts); compiled, its meta
-    kernel takes bf16 only, with rows of a multiple of 16 bytes, so other dtypes and widths take
-    ``experts_with_capacity`` with room for every token in every expert: the same values, static
-    shapes, E / k times the expert FLOPs. Returns ``[T, h]``."""
+    grouped matmul over the experts' row ranges (``grouped_mm``), eager and compiled alike.
+    Returns ``[T, h]``."""
     tokens, hidden = x.shape
-    num_experts, _, ffn = w_gate.shape
-    grouped_compiles = x.dtype == torch.bfloat16 and hidden % 8 == 0 and ffn % 8 == 0
-    if torch.compiler.is_compiling() and not grouped_compiles:
-        return experts_with_capacity(x, routing, w_gate, w_up, w_down, capacity=tokens, policy="position")[0]
     experts = routing.experts.reshape(-1)
     order = torch.argsort(experts, stable=True)
     token = torch.div(order, routing.experts.shape[1], rounding_mode="floor")
-    rows = x[token]
-    counts = _counts(experts, num_experts)
-    if x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-        out = _swiglu(rows, w_gate, w_up, w_down, lambda a, w: torch._grouped_mm(a.contiguous(), w, offs=ends))
-    else:
-        parts = torch.split(rows, counts.tolist())
-        out = torch.cat([_swiglu(part, w_gate[e], w_up[e], w_down[e], torch.matmul) for e, part in enumerate(parts)])
+    ends = torch.cumsum(_counts(experts, w_gate.shape[0]), 0).to(torch.int32)
+    out = _swiglu(x[token], w_gate, w_up, w_down, lambda a, w: grouped_mm(a, w, ends))
     weights = routing.weights.reshape(-1)[order].reshape(-1, 1).to(out.dtype)
     return x.new_zeros(tokens, hidden).index_add(0, token, out * weights)
+
+
+class RouterStats(NamedTuple):
+    """What one MoE layer's router did on one microbatch: ``load`` ``[E]`` (fp32) the pairs each
+    expert took (after drops), ``losses`` ``[3]`` (fp32) the ``ROUTER_LOSSES`` without their
+    coefficients (all three are computed, whichever are in the objective), ``dropped`` the pairs
+    the capacity dropped (fp32 scalar). Leading dims are added when layers or microbatches are
+    stacked."""
+
+    load: torch.Tensor
+    losses: torch.Tensor
+    dropped: torch.Tensor
+
+
+def router_loss_weights(cfg: ModelConfig) -> tuple[float, float, float]:
+    """The coefficient of each of ``ROUTER_LOSSES`` in the objective (0 when off)."""
+    balancing = cfg.moe_router_load_balancing_type
+    return (cfg.moe_aux_loss_coeff if balancing == "aux_loss" else 0.0,
+            cfg.moe_aux_loss_coeff if balancing == "seq_aux_loss" else 0.0,
+            cfg.moe_z_loss_coeff or 0.0)
+
+
+def moe_mlp(p: dict, x: torch.Tensor, cfg: ModelConfig,
+            aux_grad_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, RouterStats]:
+    """The MoE layer ``[B, S, h] -> [B, S, h]`` on tokens ``x``: routing (``route`` with the
+    config's score function, top-k, groups, scaling and expert bias), the routed experts (dropless,
+    or with ``moe_expert_capacity_factor``'s capacity over the microbatch's B * S tokens and
+    ``moe_token_drop_policy``), plus the shared experts. With ``aux_grad_scale`` the weighted router
+    losses (``router_loss_weights``) receive that gradient; returns the output and ``RouterStats``."""
+    batch, seq, hidden = x.shape
+    flat = x.reshape(batch * seq, hidden)
+    router, experts = p["router"], p["experts"]
+    logits = flat @ router["weight"]
+    routing = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
+                    router.get("expert_bias"), cfg.moe_router_num_groups, cfg.moe_router_group_topk,
+                    cfg.moe_router_topk_scaling_factor)
+    num_experts = logits.shape[-1]
+    if cfg.moe_expert_capacity_factor is None:
+        out = experts_dropless(flat, routing, experts["w_gate"], experts["w_up"], experts["w_out"])
+        keep = None
+    else:
+        capacity = expert_capacity(flat.shape[0], num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
+        out, keep = experts_with_capacity(flat, routing, experts["w_gate"], experts["w_up"], experts["w_out"],
+                                          capacity, cfg.moe_token_drop_policy)
+    if "shared_experts" in p:
+        out = out + layers.mlp(p["shared_experts"], flat, cfg)
+    scores, chosen = aux_loss_scores(logits, cfg.moe_router_topk, cfg.moe_router_score_function)
+    losses = torch.stack([
+        load_balancing_loss(scores, chosen, cfg.moe_router_topk, 1.0),
+        sequence_load_balancing_loss(scores.view(batch, seq, -1), chosen.view(batch, seq, -1), cfg.moe_router_topk, 1.0),
+        router_z_loss(logits, 1.0),
+    ])
+    weights = router_loss_weights(cfg)
+    if aux_grad_scale is not None and any(weights):
+        objective = (losses * torch.tensor(weights, dtype=losses.dtype, device=losses.device)).sum()
+        out = attach_aux_loss(out, objective, aux_grad_scale)
+    load = tokens_per_expert(routing.experts, num_experts, keep)
+    dropped = (~keep).sum().float() if keep is not None else load.new_zeros(())
+    return out.view(batch, seq, hidden), RouterStats(load.detach(), losses.detach(), dropped)
+
+
+def feed_forward(p: dict, x: torch.Tensor, cfg: ModelConfig,
+                 aux_grad_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[RouterStats]]:
+    """A block's MLP part ``[B, S, h] -> [B, S, h]``: ``moe_mlp`` when ``p`` holds a router, the
+    dense ``layers.mlp`` otherwise (no stats)."""
+    if "router" in p:
+        return moe_mlp(p, x, cfg, aux_grad_scale)
+    return layers.mlp(p, x, cfg), None
+
+
+def router_metrics(stats: RouterStats, num_microbatches: int, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The step's router metrics from ``stats`` summed over its microbatches (``load`` ``[L, E]``,
+    ``losses`` ``[L, 3]``, ``dropped`` ``[L]`` over L MoE layers): each router loss in the objective
+    (``moe_<name>``, the mean over layers and microbatches, without its coefficient), the pairs per
+    expert (``moe_tokens_per_expert_{min,mean,max}`` over every layer's experts), the load imbalance
+    (``moe_imbalance``: the largest max / mean of a layer), with a capacity the fraction of pairs
+    dropped (``moe_dropped_fraction``), and per layer ``moe_layer_imbalance`` and
+    ``moe_layer_<name>`` ``[L]``."""
+    losses = stats.losses / num_microbatches
+    per_expert_mean = stats.load.mean(dim=-1)
+    layer_imbalance = stats.load.amax(dim=-1) / torch.clamp(per_expert_mean, min=1.0)
+    metrics = {
+        "moe_tokens_per_expert_min": stats.load.amin(), "moe_tokens_per_expert_mean": stats.load.mean(),
+        "moe_tokens_per_expert_max": stats.load.amax(), "moe_imbalance": layer_imbalance.amax(),
+        "moe_layer_imbalance": layer_imbalance,
+    }
+    for index, (name, weight) in enumerate(zip(ROUTER_LOSSES, router_loss_weights(cfg))):
+        if weight > 0:
+            metrics[f"moe_{name}"] = losses[:, index].mean()
+            metrics[f"moe_layer_{name}"] = losses[:, index]
+    if cfg.moe_expert_capacity_factor is not None:
+        routed = stats.load.sum() + stats.dropped.sum()
+        metrics["moe_dropped_fraction"] = stats.dropped.sum() / torch.clamp(routed, min=1.0)
+    return metrics

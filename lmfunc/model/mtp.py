@@ -15,6 +15,7 @@ import torch
 
 from lmfunc.config import ModelConfig
 from lmfunc.model import gpt, layers
+from lmfunc.model.moe import RouterStats
 from lmfunc.model.recompute import checkpointed
 from lmfunc.parallel import context
 from lmfunc.parallel.context import is_context_parallel
@@ -38,15 +39,17 @@ def forward(
     positions: Optional[torch.Tensor] = None,
     doc_ids: Optional[torch.Tensor] = None,
     dropout_seed: Optional[torch.Tensor] = None,
-) -> list[torch.Tensor]:
+    aux_grad_scale: Optional[torch.Tensor] = None,
+) -> tuple[list[torch.Tensor], list[RouterStats]]:
     """The MTP hidden states ``[h^1, ..., h^D]``, each ``[B, S, h]``, from the decoder output
-    ``hidden`` ``[B, S, h]`` and its input ``tokens`` ``[B, S]`` (positions/doc_ids as in
-    ``gpt.forward``)."""
+    ``hidden`` ``[B, S, h]`` and its input ``tokens`` ``[B, S]`` (positions/doc_ids/aux_grad_scale
+    as in ``gpt.decoder``), and the router statistics of the depths' MoE layers (empty when the
+    depths are dense)."""
     positions, mask = layers.positions_and_mask(tokens, positions, doc_ids)
     rope = gpt.rope_for(positions, cfg)
     run_block = checkpointed(gpt.block) if cfg.recompute_granularity == "full" else gpt.block
     ids, pos, h = tokens, positions, hidden
-    outputs = []
+    outputs, stats = [], []
     for k in range(cfg.mtp_num_layers):
         p = params["mtp"][str(k)]
         ids, pos = roll_left(ids), roll_left(pos)
@@ -56,7 +59,9 @@ def forward(
         e = layers.dropout(e, cfg.hidden_dropout, dropout_seed, stream + 3)
         both = [layers.norm(p["enorm"], e, cfg), layers.norm(p["hnorm"], residual_layout(h, sp), cfg)]
         x = torch.cat(both, dim=-1) @ gather(p["eh_proj"])
-        x = run_block(p["layer"], x, cfg, rope, mask, dropout_seed, cfg.num_layers + k)
+        x, layer_stats = run_block(p["layer"], x, cfg, rope, mask, dropout_seed, cfg.num_layers + k, aux_grad_scale)
         h = compute_layout(layers.norm(p["final_norm"], x, cfg))
         outputs.append(h)
-    return outputs
+        if layer_stats is not None:
+            stats.append(layer_stats)
+    return outputs, stats

@@ -61,7 +61,7 @@ def stage_forward(params: PyTree, x: torch.Tensor, cfg: ModelConfig, split: Pipe
     positions, mask = layers.positions_and_mask(positions, positions, doc_ids)
     if split.holds_embedding(stage):
         x = gpt.embed_input(params, x, positions, cfg, dropout_seed)
-    x = gpt.run_layers(params, x, cfg, gpt.rope_for(positions, cfg), mask, dropout_seed, split.layers[stage])
+    x, _ = gpt.run_layers(params, x, cfg, gpt.rope_for(positions, cfg), mask, dropout_seed, split.layers[stage])
     return gpt.final_hidden(params, x, cfg) if split.holds_head(stage) else x
 
 

@@ -13,7 +13,7 @@ et al. (arXiv 2205.05198, Table 2). lmfunc's own prediction is ``lmfunc.plan.mem
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.train import DataConfig, RunConfig, TrainConfig
@@ -52,7 +52,7 @@ class MegatronArgs:
     num_experts: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
     moe_router_topk: int = 2
-    moe_layer_freq: int = 1
+    moe_layer_freq: Union[int, tuple[int, ...]] = 1
     moe_shared_expert_intermediate_size: Optional[int] = None
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None
@@ -121,6 +121,8 @@ class ParameterCounts:
 def _moe_pattern(a: MegatronArgs) -> list[int]:
     if a.num_experts is None:
         return [0] * a.num_layers
+    if not isinstance(a.moe_layer_freq, int):
+        return [int(flag) for flag in a.moe_layer_freq]
     return [1 if i % a.moe_layer_freq == 0 else 0 for i in range(a.num_layers)]
 
 

@@ -37,9 +37,11 @@ class Plan:
 def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
     """The plan of ``cfg`` (validated, ``run.global_batch_size`` resolved) on ``world_size`` processes."""
     sizes = cfg.parallel.sizes(world_size)
-    untrainable = untrainable_features(cfg)
+    untrainable = untrainable_features(cfg, world_size)
     prediction, unpredicted = None, []
-    if not untrainable and sizes["pp"] > 1 and sizes["cp"] > 1:
+    if not untrainable and cfg.model.num_experts is not None:
+        unpredicted = [f"model.num_experts = {cfg.model.num_experts} (MoE activations)"]
+    elif not untrainable and sizes["pp"] > 1 and sizes["cp"] > 1:
         unpredicted = [f"parallel.pp = {sizes['pp']} with parallel.cp = {sizes['cp']}"]
     elif not untrainable:
         prediction = predict_pipeline_memory(cfg, sizes) if sizes["pp"] > 1 else predict_memory(cfg, sizes)

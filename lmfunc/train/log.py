@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from lmfunc.config.model import ConfigError
+from lmfunc.config.model import ConfigError, ModelConfig
+from lmfunc.model.gpt import moe_layer_names
 from lmfunc.train.state import TrainState
 
 
@@ -133,12 +134,22 @@ class RunLogger:
 
 
 def step_extras(metrics: dict, state: TrainState) -> dict[str, float]:
-    """The MTP losses of the last step and the loss scaler's state, for the log line and record."""
-    extra = {k: float(v) for k, v in metrics.items() if k.startswith("mtp_")}
+    """The MTP losses and the MoE routers' scalar metrics of the last step and the loss scaler's
+    state, for the log line and record."""
+    extra = {k: float(v) for k, v in metrics.items() if k.startswith("mtp_") or (k.startswith("moe_") and v.dim() == 0)}
     if state.loss_scale is not None:
         extra["loss_scale"] = float(state.loss_scale.scale)
         extra["skipped_steps"] = float(state.loss_scale.skipped_steps)
     return extra
+
+
+def router_layer_values(metrics: dict, cfg: ModelConfig) -> dict[str, float]:
+    """The MoE routers' per-layer metrics of the last step (``moe_layer_<metric>`` ``[L_moe]``) as
+    ``moe_<metric>/<layer name>`` values for the record (not the console line)."""
+    names = moe_layer_names(cfg)
+    return {f"moe_{key[len('moe_layer_'):]}/{name}": float(value)
+            for key, values in metrics.items() if key.startswith("moe_layer_")
+            for name, value in zip(names, values.tolist())}
 
 
 def train_line(step: int, train_iters: int, loss: float, grad_norm: float, lr: float, extra: dict[str, float],

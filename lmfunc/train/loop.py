@@ -34,7 +34,7 @@ from lmfunc.train.grad_underflow import gradient_underflow
 from lmfunc.train.resume import check_writable, prepare_run_paths_on_every_rank, restore_state
 from lmfunc.train.run_checkpoints import RunCheckpoints
 from lmfunc.train.run_lock import RunLock
-from lmfunc.train.log import RunLogger, WandbSettings, step_extras, train_line
+from lmfunc.train.log import RunLogger, WandbSettings, router_layer_values, step_extras, train_line
 from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
@@ -359,7 +359,8 @@ class _Run:
         self.logger.record(
             "train", step, loss=mean_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=tokens_per_s, mfu=mfu,
             consumed_samples=self.consumed, global_batch_size=global_batch,
-            **extra, **{f"mem_{k}_mib": round(v, 1) for k, v in memory.items()},
+            **extra, **router_layer_values(metrics, self.cfg.model),
+            **{f"mem_{k}_mib": round(v, 1) for k, v in memory.items()},
         )
         self.logger.echo(train_line(step, self.train_iters, mean_loss, grad_norm, lr, extra, tokens_per_s, mfu, memory))
         self.train_losses.append((step, mean_loss))

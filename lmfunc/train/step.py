@@ -3,7 +3,8 @@
 Inside: a loop over microbatches (each differentiates its share of the normalised, loss-scaled
 objective, so gradients just add up in fp32), unscaling and the finite check, global-norm
 clipping, the optimizer update (skipped on overflow), the loss-scaler update and the counters.
-Multi-token prediction adds its losses through ``attach_aux_loss`` inside ``lm_loss``. With
+Multi-token prediction and the MoE routers add their losses through ``attach_aux_loss`` inside
+``lm_loss``; the routers' expert biases are state updated without a gradient. With
 ``compile=True`` the whole step is one ``torch.compile(fullgraph=True)`` graph.
 """
 
@@ -18,6 +19,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config import ModelConfig
 from lmfunc.grad import value_and_grad
+from lmfunc.model import gpt, moe
 from lmfunc.loss import LossOutput, lm_loss
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
@@ -150,7 +152,7 @@ def make_train_step(
         default). The two agree when every microbatch has the same number of loss tokens.
     clip_grad: global-norm clip (Megatron's rule, after unscaling); 0 disables clipping.
     lr_schedule: reported as ``metrics["lr"]`` (the lr this update used) when given.
-    loss_fn: ``loss_fn(params, microbatch, cfg, dropout_seed, mtp_grad_scale,
+    loss_fn: ``loss_fn(params, microbatch, cfg, dropout_seed, grad_scale,
         calculate_per_token_loss) -> LossOutput`` (``lmfunc.loss.lm_loss``).
     compute_dtype: forward/backward dtype; params, grads and optimizer state stay fp32.
     loss_scale: loss scaling (static or dynamic); the state needs ``loss_scale`` from
@@ -171,7 +173,13 @@ def make_train_step(
         tensors must not share storage (a ``ValueError`` says which do).
     Metrics: ``loss`` (main next-token loss, per-token mean), ``grad_norm`` (before clipping),
     ``num_tokens``, ``lr``; with loss scaling ``loss_scale`` (used by this step) and ``skipped``
-    (1.0 when skipped); with MTP ``mtp_<k>_loss`` (per-token mean of depth k = 1..D).
+    (1.0 when skipped); with MTP ``mtp_<k>_loss`` (per-token mean of depth k = 1..D); with MoE
+    layers the router's (``lmfunc.model.moe.router_metrics``).
+
+    MoE layers: the router losses join the gradient inside ``loss_fn``; after the update, every
+    router's ``expert_bias`` (aux-loss-free balancing; no gradient) takes its step from the pairs
+    its experts took over all microbatches (``gpt.updated_expert_biases``), on skipped steps too,
+    as Megatron updates it before its optimizer step.
     """
     dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
 
@@ -201,6 +209,7 @@ def make_train_step(
         grad_scale = normaliser * scale if scale is not None else normaliser
         loss_total = torch.zeros((), dtype=torch.float32, device=device)
         mtp_sums = mtp_counts = torch.zeros(cfg.mtp_num_layers, device=device)
+        router = None
         grad_leaves = None
         for i in range(num_micro):
             micro = {k: v[i] for k, v in batch.items()}
@@ -211,6 +220,8 @@ def make_train_step(
             loss_total = loss_total + main_loss(out)
             if cfg.mtp_num_layers:
                 mtp_sums, mtp_counts = mtp_sums + out.mtp_loss_sums, mtp_counts + out.mtp_num_tokens
+            if out.router is not None:
+                router = out.router if router is None else moe.RouterStats(*(a + b for a, b in zip(router, out.router)))
         found_inf = None
         if scale is not None:
             grad_leaves = torch._foreach_div(grad_leaves, scale)
@@ -229,6 +240,9 @@ def make_train_step(
             state, params, opt_state, found_inf, loss_scale, metrics)
         for k in range(cfg.mtp_num_layers):
             metrics[f"mtp_{k + 1}_loss"] = mtp_sums[k] / torch.clamp(mtp_counts[k], min=1.0)
+        if router is not None:
+            params = gpt.updated_expert_biases(params, router.load, cfg)
+            metrics |= moe.router_metrics(router, num_micro, cfg)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(optimizer_steps)
         metrics = full_metrics(metrics)
