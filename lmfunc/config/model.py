@@ -123,8 +123,9 @@ class ModelConfig:
     """With a capacity factor, which pairs an expert keeps: its highest-weighted ("probs") or its
     earliest tokens ("position")."""
     multi_latent_attention: bool = False
-    """Multi-head latent attention (DeepSeek's MLA). Planned by ``python -m lmfunc.plan``; not
-    trainable yet."""
+    """Multi-head latent attention (DeepSeek's MLA, ``lmfunc.model.mla``): keys and values from a
+    normed latent of kv_lora_rank per token plus one RoPE key shared by the heads; generation caches
+    only those. Replaces num_query_groups, kv_channels and rotary_percent."""
     q_lora_rank: Optional[int] = None
     """MLA: rank of the query down-projection (None: queries are projected directly)."""
     kv_lora_rank: int = 512
@@ -173,7 +174,9 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Rotated dimensions per head (even)."""
+        """Rotated dimensions per head (even): qk_pos_emb_head_dim with MLA."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent) // 2 * 2
 
     def __post_init__(self) -> None:
@@ -239,6 +242,14 @@ def validate_model(cfg: ModelConfig) -> None:
     _require(cfg.mtp_loss_scaling_factor >= 0,
              f"model.mtp_loss_scaling_factor must be >= 0, got {cfg.mtp_loss_scaling_factor}")
     _validate_moe(cfg)
+    if cfg.multi_latent_attention:
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            value = getattr(cfg, name)
+            _require(isinstance(value, int) and value > 0, f"model.{name} must be a positive integer, got {value!r}")
+        _require(cfg.qk_pos_emb_head_dim % 2 == 0,
+                 f"model.qk_pos_emb_head_dim must be even (RoPE rotates pairs), got {cfg.qk_pos_emb_head_dim}")
+        _require(cfg.q_lora_rank is None or cfg.q_lora_rank > 0,
+                 f"model.q_lora_rank must be positive (None: queries projected directly), got {cfg.q_lora_rank}")
     _require(
         cfg.recompute_granularity in ("none", "selective", "full"),
         f"model.recompute_granularity must be 'none', 'selective' or 'full', got {cfg.recompute_granularity!r}",
@@ -288,12 +299,22 @@ def _validate_moe(cfg: ModelConfig) -> None:
              f"model.moe_token_drop_policy must be 'probs' or 'position', got {cfg.moe_token_drop_policy!r}")
 
 
-def unbuildable_moe_features(cfg: ModelConfig) -> list[str]:
-    """The MoE settings that Megatron has (and ``lmfunc.plan`` plans) but lmfunc's model does not
-    build, each named with its fix (empty for a dense model)."""
-    if cfg.num_experts is None:
-        return []
+def unbuildable_features(cfg: ModelConfig) -> list[str]:
+    """The MoE and MLA settings that Megatron has (and ``lmfunc.plan`` plans) but lmfunc's model
+    does not build, each named with its fix."""
     found = []
+    if cfg.multi_latent_attention:
+        for failed, message in (
+            (cfg.position_embedding_type != "rope", "model.position_embedding_type learned_absolute with MLA (its "
+                                                    "decoupled keys are RoPE keys: --model.position-embedding-type rope)"),
+            (cfg.qk_layernorm, "model.qk_layernorm with MLA (MLA normalises its latents; turn it off)"),
+            (cfg.add_bias_linear, "model.add_bias_linear with MLA (its projections have no biases: "
+                                  "--model.no-add-bias-linear)"),
+        ):
+            if failed:
+                found.append(message)
+    if cfg.num_experts is None:
+        return found
     if cfg.activation != "swiglu":
         found.append(f"model.activation = {cfg.activation!r} with MoE (lmfunc's experts are SwiGLU: --model.activation swiglu)")
     if cfg.add_bias_linear:
@@ -329,6 +350,19 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         vocab_size=384, hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
         qk_layernorm=True, max_position_embeddings=256, num_experts=8, moe_router_topk=2,
         moe_ffn_hidden_size=256, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+    ),
+    # DeepSeek-V3's architecture at the CPU default's scale: multi-head latent attention (query and
+    # key/value latents, decoupled RoPE keys), a dense first layer, then MoE layers of 8 routed
+    # experts (sigmoid top-2 within the best 2 of 4 groups, weights x 2.5, aux-loss-free bias,
+    # a small sequence-level balance loss) beside one shared expert, one MTP depth, untied head.
+    "deepseek-v3-tiny": ModelConfig(
+        vocab_size=384, hidden_size=256, num_layers=4, num_attention_heads=4, max_position_embeddings=256,
+        ffn_hidden_size=640, tie_embeddings=False, multi_latent_attention=True, q_lora_rank=96,
+        kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32,
+        num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128,
+        moe_layer_freq=(0, 1, 1, 1), moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, mtp_num_layers=1,
     ),
     # Llama-3.2-1B layout: GQA 32/8, SwiGLU 8192, RoPE base 500000, RMSNorm, tied head.
     "llama-1b": ModelConfig(

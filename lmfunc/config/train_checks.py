@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lmfunc.config.model import ConfigError, unbuildable_moe_features
+from lmfunc.config.model import ConfigError, unbuildable_features
 from lmfunc.config.parallel import check_divisibility
 from lmfunc.config.pipeline import check_microbatches, check_schedule_model, pipeline_split
 
@@ -160,11 +160,11 @@ def untrainable_features(cfg: TrainConfig, world_size: int = 1) -> list[str]:
     ``world_size`` processes, each named with its value (empty when the run is trainable)."""
     p, m = cfg.parallel, cfg.model
     found = [f"parallel.ep = {p.ep}"] if p.ep != 1 else []
-    found += unbuildable_moe_features(m)
+    found += unbuildable_features(m)
     if m.num_experts is not None and world_size > 1:
         found.append(f"model.num_experts = {m.num_experts} (MoE) on {world_size} processes")
-    if m.multi_latent_attention:
-        found.append("model.multi_latent_attention (MLA)")
+    if m.multi_latent_attention and world_size > 1:
+        found.append(f"model.multi_latent_attention (MLA) on {world_size} processes")
     return found
 
 
@@ -176,8 +176,8 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     if not planning:
         missing = untrainable_features(cfg, world_size)
         _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
-                              "lmfunc.plan plans such runs); dp_replicate, dp_shard, cp, tp and pp are, and MoE "
-                              "layers on one process")
+                              "lmfunc.plan plans such runs); dp_replicate, dp_shard, cp, tp and pp are, and MoE and MLA "
+                              "on one process")
     if cfg.parallel.cp > 1:
         _validate_context_parallel(cfg)
     _require(not cfg.model.scan_layers or world_size == 1,

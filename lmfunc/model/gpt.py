@@ -5,6 +5,7 @@ Tree layout (dotted names are stable; ``layers`` is keyed "0", "1", ...)::
     embed.tokens [V, h]            embed.positions [P, h]   (learned_absolute only)
     layers.<i>.attn_norm.{scale, bias}
     layers.<i>.attn.{wq [h, a*d], wk [h, g*d], wv [h, g*d], wo [a*d, h], bq, bk, bv, bo, q_norm, k_norm}
+    layers.<i>.attn.{wq | wq_down, q_norm, wq_up; wkv_down, kv_norm, wkv_up; wo}   (MLA: lmfunc.model.mla)
     layers.<i>.mlp_norm.{scale, bias}
     layers.<i>.mlp.{w_gate, w_up [h, f] | w_in [h, f]; w_out [f, h]; b_*}
     layers.<i>.mlp.{router.{weight [h, E], expert_bias [E]}, experts.{w_gate, w_up [E, h, f], w_out [E, f, h]},
@@ -33,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from lmfunc.config import ConfigError, ModelConfig
-from lmfunc.config.model import unbuildable_moe_features
-from lmfunc.model import layers, moe
+from lmfunc.config.model import unbuildable_features
+from lmfunc.model import layers, mla, moe
 from lmfunc.model.moe import RouterStats
 from lmfunc.model.recompute import checkpointed
 from lmfunc.parallel.placement import compute_layout, embedding_lookup, gather, region, residual_layout
@@ -65,7 +66,36 @@ def _norm_spec(cfg: ModelConfig, size: int, axis: str) -> dict:
 
 def _layer_spec(cfg: ModelConfig, is_moe: bool = False) -> dict:
     """One transformer block; its MLP an MoE layer when ``is_moe``."""
-    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_size
+    return {
+        "attn_norm": _norm_spec(cfg, cfg.hidden_size, "embed"),
+        "attn": _mla_spec(cfg) if cfg.multi_latent_attention else _attention_spec(cfg),
+        "mlp_norm": _norm_spec(cfg, cfg.hidden_size, "embed"),
+        "mlp": _moe_spec(cfg) if is_moe else _mlp_spec(cfg, cfg.ffn_size),
+    }
+
+
+def _mla_spec(cfg: ModelConfig) -> dict:
+    """Multi-head latent attention (``lmfunc.model.mla``): the latents' down-projections (replicated
+    over ``tp``) and norms, the per-head up-projections and output (split by heads)."""
+    h, a = cfg.hidden_size, cfg.num_attention_heads
+    qk, v = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    if cfg.q_lora_rank is None:
+        attn = {"wq": LeafSpec((h, a * qk), ("embed", "heads"), "normal")}
+    else:
+        attn = {"wq_down": LeafSpec((h, cfg.q_lora_rank), ("embed", "q_lora"), "normal"),
+                "q_norm": _norm_spec(cfg, cfg.q_lora_rank, "q_lora"),
+                "wq_up": LeafSpec((cfg.q_lora_rank, a * qk), ("q_lora", "heads"), "normal")}
+    return attn | {
+        "wkv_down": LeafSpec((h, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim), ("embed", "kv_lora"), "normal"),
+        "kv_norm": _norm_spec(cfg, cfg.kv_lora_rank, "kv_lora"),
+        "wkv_up": LeafSpec((cfg.kv_lora_rank, a * (cfg.qk_head_dim + v)), ("kv_lora", "heads"), "normal"),
+        "wo": LeafSpec((a * v, h), ("heads", "embed"), "scaled_normal"),
+    }
+
+
+def _attention_spec(cfg: ModelConfig) -> dict:
+    """Multi-head / grouped-query attention."""
+    h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_attention_heads * d, cfg.query_groups * d
     attn = {
         "wq": LeafSpec((h, q_out), ("embed", "heads"), "normal"),
@@ -82,12 +112,7 @@ def _layer_spec(cfg: ModelConfig, is_moe: bool = False) -> dict:
         }
     if cfg.qk_layernorm:
         attn |= {"q_norm": _norm_spec(cfg, d, "head_dim"), "k_norm": _norm_spec(cfg, d, "head_dim")}
-    return {
-        "attn_norm": _norm_spec(cfg, h, "embed"),
-        "attn": attn,
-        "mlp_norm": _norm_spec(cfg, h, "embed"),
-        "mlp": _moe_spec(cfg) if is_moe else _mlp_spec(cfg, f),
-    }
+    return attn
 
 
 def _mlp_spec(cfg: ModelConfig, f: int) -> dict:
@@ -122,9 +147,9 @@ def _moe_spec(cfg: ModelConfig) -> dict:
 
 
 def param_specs(cfg: ModelConfig) -> Params:
-    """The parameter tree with a ``LeafSpec`` at every leaf. A ``ConfigError`` names the MoE settings
-    the model cannot build (``unbuildable_moe_features``)."""
-    unbuildable = unbuildable_moe_features(cfg)
+    """The parameter tree with a ``LeafSpec`` at every leaf. A ``ConfigError`` names the MoE and MLA
+    settings the model cannot build (``unbuildable_features``)."""
+    unbuildable = unbuildable_features(cfg)
     if unbuildable:
         raise ConfigError(f"{'; '.join(unbuildable)}: not implemented in this version of lmfunc")
     h, v = cfg.hidden_size, cfg.vocab_size
@@ -237,7 +262,8 @@ def block(
     the others'."""
     stream, sp = 8 * (layer_index + 1), cfg.sequence_parallel
     h = compute_layout(layers.norm(p["attn_norm"], x, cfg))
-    attn_out = residual_layout(layers.attention(p["attn"], h, cfg, rope, mask, dropout_seed, stream), sp)
+    project = mla.project_qkv if cfg.multi_latent_attention else None
+    attn_out = residual_layout(layers.attention(p["attn"], h, cfg, rope, mask, dropout_seed, stream, project), sp)
     x = x + layers.dropout(attn_out, cfg.hidden_dropout, dropout_seed, stream + 1)
     h = compute_layout(layers.norm(p["mlp_norm"], x, cfg))
     mlp_out, stats = moe.feed_forward(p["mlp"], h, cfg, aux_grad_scale)

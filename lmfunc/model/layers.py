@@ -7,7 +7,7 @@ B batch, S sequence, h hidden, a query heads, g key/value groups, d head dim, f 
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -189,13 +189,15 @@ def project_out(p: Params, heads_out: torch.Tensor, cfg: ModelConfig) -> torch.T
 def attention(
     p: Params, x: torch.Tensor, cfg: ModelConfig,
     rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Mask,
-    seed: Optional[torch.Tensor] = None, stream: Stream = 0,
+    seed: Optional[torch.Tensor] = None, stream: Stream = 0, project: Optional[Callable] = None,
 ) -> torch.Tensor:
     """Causal self-attention (MHA/GQA/MQA) ``[B, S, h] -> [B, S, h]``.
 
     ``mask``: see ``Mask`` (``positions_and_mask`` makes it).
+    ``project``: ``(p, x, cfg, rope) -> (q, k, v)``, ``project_qkv`` by default (multi-head latent
+    attention passes its own, ``lmfunc.model.mla.project_qkv``).
     """
-    q, k, v = project_qkv(p, x, cfg, rope)
+    q, k, v = (project or project_qkv)(p, x, cfg, rope)
     core = checkpointed(_attention_core) if cfg.recompute_granularity == "selective" else _attention_core
     out = core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, cfg, seed, stream)
     return project_out(p, out, cfg)
