@@ -4,7 +4,8 @@ Reads the params of one checkpoint (any mesh it was saved on) on a single proces
 
 - ``safetensors``: ``OUT/model.safetensors`` (dotted lmfunc names) + ``OUT/config.yaml``, a directory
   that ``python -m lmfunc.generate --run OUT`` reads;
-- ``hf``: ``OUT/model.safetensors`` + ``OUT/config.json`` for ``transformers.LlamaForCausalLM``;
+- ``hf``: ``OUT/model.safetensors`` + ``OUT/config.json`` for ``transformers.LlamaForCausalLM`` (or
+  ``Qwen3MoeForCausalLM`` for a mixture-of-experts model);
 - ``orbax``: an orbax PyTree checkpoint of numpy arrays (needs ``pip install 'lmfunc[orbax]'``).
 """
 
@@ -37,7 +38,7 @@ class ExportArgs:
     out: str
     """Output directory."""
     format: Literal["safetensors", "hf", "orbax"] = "safetensors"
-    """safetensors (lmfunc names + config.yaml), hf (Llama layout + config.json) or orbax."""
+    """safetensors (lmfunc names + config.yaml), hf (Llama, or Qwen3-MoE with experts, + config.json) or orbax."""
     step: Optional[int] = None
     """The checkpoint step to export; None takes the newest."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -84,9 +85,9 @@ def export(args: ExportArgs) -> str:
     cfg, params, step_dir = load_params(args.checkpoint, args.step)
     dtype = DTYPES[args.dtype]
     if args.format == "hf":
-        from lmfunc.checkpoint.hf import save_llama
+        from lmfunc.checkpoint.hf import save_hf
 
-        save_llama(params, cfg.model, args.out, dtype)
+        save_hf(params, cfg.model, args.out, dtype)
     elif args.format == "orbax":
         from lmfunc.checkpoint.orbax_export import save_orbax
 

@@ -1,4 +1,5 @@
-"""Weights interop: ``python -m lmfunc.export`` (safetensors, HF Llama) and ``--checkpoint.load-hf``."""
+"""Weights interop: ``python -m lmfunc.export`` (safetensors, HF Llama and Qwen3-MoE) and
+``--checkpoint.load-hf``."""
 
 import dataclasses
 import json
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from lmfunc import model
-from lmfunc.checkpoint.hf import load_llama, save_llama
+from lmfunc.checkpoint.hf import load_hf, save_hf
 from lmfunc.config.model import ConfigError, model_preset
 from lmfunc.export import main as export_main
 from lmfunc.generate import load_run
@@ -25,7 +26,7 @@ TRAIN = ["--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "
 
 
 def _hf_logits(directory: str, tokens: torch.Tensor) -> torch.Tensor:
-    hf = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     with torch.no_grad():
         return hf.eval()(tokens).logits
 
@@ -58,7 +59,7 @@ def test_export_to_hf_gives_the_same_logits_and_imports_back(trained):
     ours, theirs = _our_logits(params, cfg, tokens), _hf_logits(out, tokens)
     assert (ours - theirs).abs().max() < 1e-5
 
-    imported = load_llama(out, cfg)
+    imported = load_hf(out, cfg)
     for (name, a), (_, b) in zip(flatten_with_paths(imported), flatten_with_paths(params)):
         assert torch.equal(a, b), name
 
@@ -67,10 +68,10 @@ def test_untied_biased_interpolated_model_matches_hf(tmp_path):
     cfg = model_preset("tiny", tie_embeddings=False, add_bias_linear=True, seq_len_interpolation_factor=2.0,
                        rotary_base=500000.0, norm_epsilon=1e-6)
     params = _perturbed(cfg, 3)
-    save_llama(params, cfg, str(tmp_path))
+    save_hf(params, cfg, str(tmp_path))
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     assert (_our_logits(params, cfg, tokens) - _hf_logits(str(tmp_path), tokens)).abs().max() < 1e-5
-    assert torch.equal(load_llama(str(tmp_path), cfg)["output"], params["output"])
+    assert torch.equal(load_hf(str(tmp_path), cfg)["output"], params["output"])
 
 
 def test_load_hf_starts_training_from_the_imported_weights(trained):
@@ -88,6 +89,26 @@ def test_load_hf_starts_training_from_the_imported_weights(trained):
     assert [r["step"] for r in resume] == [6] and resume[0]["checkpoint"].endswith("iter_0000006")
 
 
+def test_a_moe_model_exports_to_qwen3_moe_with_the_same_logits_and_imports_back(tmp_path):
+    """A dense first layer (Qwen3-MoE's mlp_only_layers), then 4 experts top-2, QK-norm, untied."""
+    cfg = model_preset("moe-small", vocab_size=96, hidden_size=64, num_layers=3, max_position_embeddings=64,
+                       moe_layer_freq=(0, 1, 1), num_experts=4, moe_ffn_hidden_size=32, ffn_hidden_size=96,
+                       tie_embeddings=False)
+    params = _perturbed(cfg, 4)
+    save_hf(params, cfg, str(tmp_path))
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == [0] and config["num_experts"] == 4
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    assert (_our_logits(params, cfg, tokens) - _hf_logits(str(tmp_path), tokens)).abs().max() < 1e-5
+    for (name, a), (_, b) in zip(flatten_with_paths(load_hf(str(tmp_path), cfg)), flatten_with_paths(params)):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="num_experts_per_tok is 2 but model.moe_router_topk gives 3"):
+        load_hf(str(tmp_path), dataclasses.replace(cfg, moe_router_topk=3))
+    with pytest.raises(ConfigError, match=r"not Qwen3-MoE-compatible.*shared experts.*expert bias"):
+        save_hf(params, dataclasses.replace(model_preset("deepseek-v3-tiny"), multi_latent_attention=False,
+                                            mtp_num_layers=0, qk_layernorm=True), str(tmp_path / "ds"))
+
+
 def test_safetensors_export_is_a_run_directory_for_generate(trained):
     out = str(trained / "plain")
     export_main(["--checkpoint", str(trained / "source"), "--out", out, "--dtype", "bf16"])
@@ -99,15 +120,15 @@ def test_safetensors_export_is_a_run_directory_for_generate(trained):
 
 def test_incompatible_models_and_configs_are_named(tmp_path, capsys):
     with pytest.raises(ConfigError, match="model.normalization is 'LayerNorm'.*model.activation is 'gelu'"):
-        save_llama(model.init(model_preset("gpt2-small", num_layers=1, vocab_size=64, hidden_size=64,
+        save_hf(model.init(model_preset("gpt2-small", num_layers=1, vocab_size=64, hidden_size=64,
                                            num_attention_heads=4), seed=0),
                    model_preset("gpt2-small", num_layers=1, vocab_size=64, hidden_size=64, num_attention_heads=4),
                    str(tmp_path / "gpt2"))
     cfg = model_preset("tiny")
-    save_llama(model.init(cfg, seed=0), cfg, str(tmp_path / "tiny"))
+    save_hf(model.init(cfg, seed=0), cfg, str(tmp_path / "tiny"))
     with pytest.raises(ConfigError, match=r"hidden_size is 64 but model.hidden_size gives 128.*num_hidden_layers is 2 "
                                           r"but model.num_layers gives 3"):
-        load_llama(str(tmp_path / "tiny"), dataclasses.replace(cfg, hidden_size=128, num_layers=3))
+        load_hf(str(tmp_path / "tiny"), dataclasses.replace(cfg, hidden_size=128, num_layers=3))
     with pytest.raises(SystemExit):
         export_main(["--checkpoint", str(tmp_path), "--out", str(tmp_path / "x")])
     assert "holds no complete lmfunc checkpoint" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from lmfunc import model
-from lmfunc.checkpoint.hf import load_llama, save_llama, to_llama_state_dict
+from lmfunc.checkpoint.hf import load_hf, save_hf, to_hf_state_dict
 from lmfunc.compiler import compile_step
 from lmfunc.config import ModelConfig
 from lmfunc.config.train import DataConfig, TrainConfig
@@ -117,10 +117,10 @@ def test_generation_and_hf_export_see_the_same_model(tmp_path):
     prompt = [1, 2, 3]
     assert torch.equal(generate(stacked, scanned(CFG), prompt, 6, temperature=0.0),
                        generate(flat, CFG, prompt, 6, temperature=0.0))
-    assert max_difference(to_llama_state_dict(stacked, scanned(CFG)), to_llama_state_dict(flat, CFG)) == 0.0
-    save_llama(stacked, scanned(CFG), str(tmp_path / "hf"))
+    assert max_difference(to_hf_state_dict(stacked, scanned(CFG)), to_hf_state_dict(flat, CFG)) == 0.0
+    save_hf(stacked, scanned(CFG), str(tmp_path / "hf"))
     assert os.path.exists(tmp_path / "hf" / "model.safetensors")
-    assert max_difference(load_llama(str(tmp_path / "hf"), scanned(CFG)), stacked) == 0.0
+    assert max_difference(load_hf(str(tmp_path / "hf"), scanned(CFG)), stacked) == 0.0
 
 
 def test_scan_layers_is_refused_on_several_processes():

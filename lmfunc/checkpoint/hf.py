@@ -1,8 +1,13 @@
-"""Hugging Face Llama weights: lmfunc params <-> ``LlamaForCausalLM`` safetensors + ``config.json``.
+"""Hugging Face weights: lmfunc params <-> safetensors + ``config.json`` of ``LlamaForCausalLM``
+(dense models) or ``Qwen3MoeForCausalLM`` (mixture-of-experts models).
 
-A model is Llama-compatible when it uses RoPE on the whole head (rotate-half pairs, as HF and
-Megatron), RMSNorm, SwiGLU, no QK-norm and no MTP depths. lmfunc stores projections ``[in, out]``
-(``x @ w``); HF stores ``nn.Linear`` weights ``[out, in]``, so matrices are transposed both ways.
+A dense model is Llama-compatible when it uses RoPE on the whole head (rotate-half pairs, as HF and
+Megatron), RMSNorm, SwiGLU, no QK-norm and no MTP depths. An MoE model is Qwen3-MoE-compatible
+with the same, QK-norm on, and Qwen3-MoE's router: softmax top-k renormalised over the k, no
+scaling, groups, expert bias or shared experts. lmfunc stores projections ``[in, out]`` (``x @ w``);
+HF stores ``nn.Linear`` weights ``[out, in]``, so matrices are transposed both ways. lmfunc's
+stacked experts ``[E, h, f]`` are HF's per-expert tensors ``experts.<j>.*`` (the Hub's layout,
+which ``save_pretrained`` writes too).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -41,19 +46,34 @@ _LAYER_MAP = [
     ("layers.{i}.mlp.b_up", "model.layers.{i}.mlp.up_proj.bias", False),
     ("layers.{i}.mlp.b_out", "model.layers.{i}.mlp.down_proj.bias", False),
 ]
+_MOE_MAP = [
+    ("layers.{i}.mlp.router.weight", "model.layers.{i}.mlp.gate.weight", True),
+    ("layers.{i}.attn.q_norm.scale", "model.layers.{i}.self_attn.q_norm.weight", False),
+    ("layers.{i}.attn.k_norm.scale", "model.layers.{i}.self_attn.k_norm.weight", False),
+]
+_EXPERT_MAP = [
+    ("layers.{i}.mlp.experts.w_gate", "model.layers.{i}.mlp.experts.{j}.gate_proj.weight"),
+    ("layers.{i}.mlp.experts.w_up", "model.layers.{i}.mlp.experts.{j}.up_proj.weight"),
+    ("layers.{i}.mlp.experts.w_out", "model.layers.{i}.mlp.experts.{j}.down_proj.weight"),
+]
 _GLOBAL_MAP = [
     ("embed.tokens", "model.embed_tokens.weight", False),
     ("final_norm.scale", "model.norm.weight", False),
     ("output", "lm_head.weight", True),
 ]
 
+HfNames = Union[str, list[str]]
+"""One HF tensor, or one per expert (stacked along lmfunc's leading expert axis)."""
 
-def _name_map(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """``{lmfunc name: (HF name, transposed)}`` for every leaf of ``cfg``'s parameter tree, with
+
+def _name_map(cfg: ModelConfig) -> dict[str, tuple[HfNames, bool]]:
+    """``{lmfunc name: (HF name(s), transposed)}`` for every leaf of ``cfg``'s parameter tree, with
     the blocks unstacked (``layers.<i>.*``) also for a ``scan_layers`` model."""
     names = {name for name, _ in flatten_with_paths(param_shapes(_unstacked(cfg)))}
-    table = list(_GLOBAL_MAP) + [(ours.format(i=i), theirs.format(i=i), t)
-                                 for i in range(cfg.num_layers) for ours, theirs, t in _LAYER_MAP]
+    table = list(_GLOBAL_MAP) + [(ours.format(i=i), theirs.format(i=i), t) for i in range(cfg.num_layers)
+                                 for ours, theirs, t in _LAYER_MAP + _MOE_MAP]
+    table += [(ours.format(i=i), [theirs.format(i=i, j=j) for j in range(cfg.num_experts or 0)], True)
+              for i in range(cfg.num_layers) for ours, theirs in _EXPERT_MAP]
     return {ours: (theirs, t) for ours, theirs, t in table if ours in names}
 
 
@@ -61,25 +81,38 @@ def _unstacked(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, scan_layers=False)
 
 
-def check_llama_compatible(cfg: ModelConfig) -> None:
-    """Raise ``ConfigError`` naming each setting the HF Llama layout cannot express."""
+def check_hf_compatible(cfg: ModelConfig) -> None:
+    """Raise ``ConfigError`` naming each setting that the HF layout of ``cfg`` (Llama for a dense
+    model, Qwen3-MoE with experts) cannot express."""
+    moe = cfg.num_experts is not None
+    name = "Qwen3-MoE" if moe else "Llama"
     problems = [message for failed, message in (
-        (cfg.position_embedding_type != "rope", f"model.position_embedding_type is {cfg.position_embedding_type!r} (Llama: 'rope')"),
-        (cfg.rotary_percent != 1.0, f"model.rotary_percent is {cfg.rotary_percent} (Llama rotates the whole head: 1.0)"),
-        (cfg.normalization != "RMSNorm", f"model.normalization is {cfg.normalization!r} (Llama: 'RMSNorm')"),
-        (cfg.activation != "swiglu", f"model.activation is {cfg.activation!r} (Llama: 'swiglu')"),
-        (cfg.qk_layernorm, "model.qk_layernorm is on (Llama has no QK-norm)"),
-        (cfg.mtp_num_layers > 0, f"model.mtp_num_layers is {cfg.mtp_num_layers} (Llama has no MTP modules)"),
-        (cfg.num_experts is not None, f"model.num_experts is {cfg.num_experts} (Llama has no MoE layers)"),
+        (cfg.position_embedding_type != "rope", f"model.position_embedding_type is {cfg.position_embedding_type!r} ({name}: 'rope')"),
+        (cfg.rotary_percent != 1.0, f"model.rotary_percent is {cfg.rotary_percent} ({name} rotates the whole head: 1.0)"),
+        (cfg.normalization != "RMSNorm", f"model.normalization is {cfg.normalization!r} ({name}: 'RMSNorm')"),
+        (cfg.activation != "swiglu", f"model.activation is {cfg.activation!r} ({name}: 'swiglu')"),
+        (cfg.qk_layernorm and not moe, "model.qk_layernorm is on (Llama has no QK-norm)"),
+        (moe and not cfg.qk_layernorm, "model.qk_layernorm is off (Qwen3-MoE normalises queries and keys)"),
+        (cfg.mtp_num_layers > 0, f"model.mtp_num_layers is {cfg.mtp_num_layers} ({name} has no MTP modules)"),
+        (cfg.multi_latent_attention, f"model.multi_latent_attention is on ({name} has no MLA)"),
+        (moe and cfg.moe_shared_expert_intermediate_size is not None, "model.moe_shared_expert_intermediate_size is "
+         f"{cfg.moe_shared_expert_intermediate_size} (Qwen3-MoE has no shared experts)"),
+        (moe and (cfg.moe_router_score_function != "softmax" or cfg.moe_router_pre_softmax),
+         "the router is not softmax top-k renormalised over the k (Qwen3-MoE's: --model.moe-router-score-function "
+         "softmax without --model.moe-router-pre-softmax)"),
+        (moe and bool(cfg.moe_router_topk_scaling_factor), "model.moe_router_topk_scaling_factor is set (Qwen3-MoE has none)"),
+        (moe and cfg.moe_router_num_groups is not None, "model.moe_router_num_groups is set (Qwen3-MoE routes without groups)"),
+        (moe and cfg.moe_router_enable_expert_bias, "model.moe_router_enable_expert_bias is on (Qwen3-MoE has no expert bias)"),
     ) if failed]
     if problems:
-        raise ConfigError("the model is not Llama-compatible: " + "; ".join(problems)
+        raise ConfigError(f"the model is not {name}-compatible: " + "; ".join(problems)
                           + ". Export it as plain safetensors instead (--format safetensors)")
 
 
-def llama_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """The ``config.json`` of ``LlamaForCausalLM`` for ``cfg`` (checked compatible first)."""
-    check_llama_compatible(cfg)
+def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """The ``config.json`` of ``LlamaForCausalLM`` or, with experts, ``Qwen3MoeForCausalLM`` for
+    ``cfg`` (checked compatible first)."""
+    check_hf_compatible(cfg)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
@@ -90,30 +123,42 @@ def llama_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         "attention_bias": cfg.add_bias_linear, "mlp_bias": cfg.add_bias_linear,
         "initializer_range": cfg.init_method_std, "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if cfg.num_experts is not None:
+        del config["mlp_bias"]
+        config |= {
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "moe_intermediate_size": cfg.expert_ffn_size, "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.moe_router_topk, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, is_moe in enumerate(cfg.moe_layers) if not is_moe],
+            "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+        }
     if cfg.seq_len_interpolation_factor is not None:
         config["rope_scaling"] = {"rope_type": "linear", "factor": cfg.seq_len_interpolation_factor}
     return config
 
 
-def to_llama_state_dict(params: PyTree, cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """HF-named, ``[out, in]`` tensors of full (consolidated) ``params``."""
+def to_hf_state_dict(params: PyTree, cfg: ModelConfig, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """HF-named, ``[out, in]`` tensors of full (consolidated) ``params``; stacked experts become one
+    tensor per expert."""
     mapping = _name_map(cfg)
     if cfg.scan_layers:
         params = unstack_layers(params, cfg.num_layers)
     out = {}
     for name, leaf in flatten_with_paths(params):
-        hf_name, transposed = mapping[name]
-        tensor = leaf.detach().t() if transposed else leaf.detach()
-        out[hf_name] = tensor.to(dtype or tensor.dtype).contiguous()
+        hf_names, transposed = mapping[name]
+        parts = zip(hf_names, leaf.detach().unbind(0)) if isinstance(hf_names, list) else [(hf_names, leaf.detach())]
+        for hf_name, tensor in parts:
+            tensor = tensor.t() if transposed else tensor
+            out[hf_name] = tensor.to(dtype or tensor.dtype).contiguous()
     return out
 
 
-def save_llama(params: PyTree, cfg: ModelConfig, directory: str, dtype: torch.dtype = torch.float32) -> None:
+def save_hf(params: PyTree, cfg: ModelConfig, directory: str, dtype: torch.dtype = torch.float32) -> None:
     """Write ``directory/model.safetensors`` and ``directory/config.json`` (loadable by
-    ``transformers.LlamaForCausalLM.from_pretrained``)."""
-    config = llama_config(cfg, dtype)
+    ``transformers.AutoModelForCausalLM.from_pretrained``)."""
+    config = hf_config(cfg, dtype)
     os.makedirs(directory, exist_ok=True)
-    save_file(to_llama_state_dict(params, cfg, dtype), os.path.join(directory, "model.safetensors"),
+    save_file(to_hf_state_dict(params, cfg, dtype), os.path.join(directory, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -149,6 +194,19 @@ def check_config_matches(config: dict, cfg: ModelConfig, source: str) -> None:
         ("mlp_bias", "model.add_bias_linear", cfg.add_bias_linear),
         ("hidden_act", "model.activation", "silu"),
     ]
+    if cfg.num_experts is not None:
+        pairs.remove(("mlp_bias", "model.add_bias_linear", cfg.add_bias_linear))
+        pairs += [
+            ("model_type", "an MoE model (Qwen3-MoE)", "qwen3_moe"),
+            ("num_experts", "model.num_experts", cfg.num_experts),
+            ("num_experts_per_tok", "model.moe_router_topk", cfg.moe_router_topk),
+            ("moe_intermediate_size", "model.moe_ffn_hidden_size", cfg.expert_ffn_size),
+            ("norm_topk_prob", "lmfunc's router (renormalised top-k)", True),
+            ("sparse layers", "model.moe_layer_freq", [i for i, is_moe in enumerate(cfg.moe_layers) if is_moe]),
+        ]
+        step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
+        config = dict(config, **{"sparse layers": [i for i in range(config.get("num_hidden_layers", 0))
+                                                   if i not in dense and (i + 1) % step == 0]})
     found = dict(config, rope_theta=theta, **{"rope_scaling.factor": factor})
     found.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     found.setdefault("head_dim", config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1))
@@ -160,8 +218,9 @@ def check_config_matches(config: dict, cfg: ModelConfig, source: str) -> None:
         raise ConfigError(f"{source} does not match the model config: " + "; ".join(differing))
 
 
-def load_llama(directory: str, cfg: ModelConfig) -> PyTree:
-    """lmfunc params (fp32) from a HF Llama directory (``config.json`` + one or more ``*.safetensors``)."""
+def load_hf(directory: str, cfg: ModelConfig) -> PyTree:
+    """lmfunc params (fp32) from a HF Llama or Qwen3-MoE directory (``config.json`` + one or more
+    ``*.safetensors``)."""
     config_path = os.path.join(directory, "config.json")
     try:
         with open(config_path) as f:
@@ -170,7 +229,7 @@ def load_llama(directory: str, cfg: ModelConfig) -> PyTree:
         raise ConfigError(f"checkpoint.load_hf: {config_path} does not exist") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"checkpoint.load_hf: {config_path} is not valid JSON: {err}") from None
-    check_llama_compatible(cfg)
+    check_hf_compatible(cfg)
     check_config_matches(config, cfg, config_path)
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
@@ -182,17 +241,23 @@ def load_llama(directory: str, cfg: ModelConfig) -> PyTree:
         except SafetensorError as err:
             raise ConfigError(f"checkpoint.load_hf: {path} is not a readable safetensors file: {err}") from None
     mapping = _name_map(cfg)
-    missing = sorted(theirs for theirs, _ in mapping.values() if theirs not in tensors)
+    wanted = [theirs for names, _ in mapping.values() for theirs in (names if isinstance(names, list) else [names])]
+    missing = sorted(theirs for theirs in wanted if theirs not in tensors)
     if missing:
         raise ConfigError(f"checkpoint.load_hf: {directory} lacks {len(missing)} tensors, e.g. {missing[:5]}")
 
+    def one(theirs: str, transposed: bool, like_shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = tensors[theirs].t() if transposed else tensors[theirs]
+        if tuple(tensor.shape) != like_shape:
+            raise ConfigError(f"checkpoint.load_hf: {theirs} has shape {tuple(tensors[theirs].shape)}, "
+                              f"the model expects {like_shape[::-1] if transposed else like_shape}")
+        return tensor.to(torch.float32)
+
     def fill(name: str, like: torch.Tensor) -> torch.Tensor:
         theirs, transposed = mapping[name]
-        tensor = tensors[theirs].t() if transposed else tensors[theirs]
-        if tuple(tensor.shape) != tuple(like.shape):
-            raise ConfigError(f"checkpoint.load_hf: {theirs} has shape {tuple(tensors[theirs].shape)}, "
-                              f"the model expects {tuple(like.shape[::-1]) if transposed else tuple(like.shape)}")
-        return tensor.to(torch.float32).contiguous()
+        if isinstance(theirs, list):
+            return torch.stack([one(expert, transposed, tuple(like.shape[1:])) for expert in theirs])
+        return one(theirs, transposed, tuple(like.shape)).contiguous()
 
     params = tree_map_with_path(fill, param_shapes(_unstacked(cfg)))
     return stack_layers(params) if cfg.scan_layers else params

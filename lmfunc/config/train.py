@@ -174,7 +174,8 @@ class CheckpointConfig:
     finetune: bool = False
     """Load only the weights from the checkpoint; start at step 0 with a fresh optimizer."""
     load_hf: Optional[str] = None
-    """Start from Hugging Face Llama weights in this directory (config.json + *.safetensors)."""
+    """Start from Hugging Face Llama (or, for an MoE model, Qwen3-MoE) weights in this directory
+    (config.json + *.safetensors)."""
     exit_signal_handler: bool = True
     """On SIGTERM or SIGINT every rank finishes the current step, saves a checkpoint and exits 0."""
     save_weights: bool = True

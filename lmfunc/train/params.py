@@ -39,8 +39,8 @@ def initial_params(cfg: TrainConfig, layout: Layout, resuming: bool) -> PyTree:
     """Freshly initialised parameters, or those imported from ``checkpoint.load_hf`` (unless the run
     resumes from its own checkpoint), in the layout."""
     if cfg.checkpoint.load_hf is not None and not resuming:
-        from lmfunc.checkpoint.hf import load_llama
+        from lmfunc.checkpoint.hf import load_hf
 
-        return place_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, layout.mesh,
+        return place_params(load_hf(cfg.checkpoint.load_hf, cfg.model), cfg.model, layout.mesh,
                             device=layout.device)
     return init_params(cfg.model, layout.mesh, seed=cfg.run.seed, device=layout.device)

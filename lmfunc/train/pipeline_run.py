@@ -77,9 +77,9 @@ def initial_rank_params(cfg: TrainConfig, pipe: PipelineRank, device: torch.devi
     (unless the run resumes from its own checkpoint; every rank reads the files and keeps its
     leaves), else freshly drawn (``init_rank_params``)."""
     if cfg.checkpoint.load_hf is not None and not resuming:
-        from lmfunc.checkpoint.hf import load_llama
+        from lmfunc.checkpoint.hf import load_hf
 
-        part = rank_params(load_llama(cfg.checkpoint.load_hf, cfg.model), cfg.model, pipe.split, pipe.rank)
+        part = rank_params(load_hf(cfg.checkpoint.load_hf, cfg.model), cfg.model, pipe.split, pipe.rank)
         part = tree_map(lambda leaf: leaf.to(device), part)
         if pipe.data_mesh is not None:
             axes = rank_params(gpt.param_axes(cfg.model), cfg.model, pipe.split, pipe.rank)
