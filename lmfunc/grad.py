@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Union
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from lmfunc.tree import PyTree, tree_leaves, tree_map, tree_unflatten_as
 
@@ -79,11 +80,17 @@ class _AttachAuxLoss(torch.autograd.Function):
         _, aux_loss, scale = inputs
         ctx.save_for_backward(scale)
         ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        ctx.aux_mesh = aux_loss.device_mesh if isinstance(aux_loss, DTensor) else None
 
     @staticmethod
     def backward(ctx: Any, grad_x: torch.Tensor):
         (scale,) = ctx.saved_tensors
-        grad_aux = torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_x.device) * scale.to(ctx.aux_dtype)
+        if isinstance(scale, DTensor):
+            scale = scale.to_local()
+        device = grad_x.to_local().device if isinstance(grad_x, DTensor) else grad_x.device
+        grad_aux = torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=device) * scale.to(ctx.aux_dtype)
+        if ctx.aux_mesh is not None:  # a loss on a mesh gets its gradient whole on every rank
+            grad_aux = DTensor.from_local(grad_aux, ctx.aux_mesh, [Replicate()] * ctx.aux_mesh.ndim)
         return grad_x, grad_aux, None
 
 
@@ -97,7 +104,8 @@ def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, scale: Union[torch.
     ``torch.compile(fullgraph=True)`` alike (``tests/test_mtp.py`` compiles it with ``autograd.grad``).
 
     ``x``: any tensor on the path to the main loss (Megatron uses the final hidden states).
-    ``aux_loss``: a tensor (usually a scalar) that depends on the parameters.
+    ``aux_loss``: a tensor (usually a scalar) that depends on the parameters; a DTensor must be
+    whole on every rank (``Replicate``), and its gradient is.
     """
     scale = torch.as_tensor(scale, dtype=torch.float32, device=aux_loss.device)
     return _AttachAuxLoss.apply(x, aux_loss, scale)

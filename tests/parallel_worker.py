@@ -1,11 +1,13 @@
 """One multi-rank parity run, launched by tests/test_parallel.py with torchrun.
 
 Usage: torchrun --nproc-per-node N tests/parallel_worker.py LAYOUT OUT.json [--compile] [--sp] [--mtp] [--fp16]
+[--moe] [--mla]
 LAYOUT is e.g. ``dp_shard=2`` or ``dp_shard=2,tp=2``. Trains the tiny model (with one MTP depth
 and fp32) for 5 steps on the mesh and, in the same process, on plain tensors; rank 0 writes the
 per-step losses, the initial and final parameter errors (per-leaf relative L2), graph counts and,
 compiled, the collectives one more step issues. ``--fp16`` computes in fp16 with dynamic loss
-scaling on both sides.
+scaling on both sides. ``--moe`` makes the second layer an MoE layer (``MOE_SETTINGS``: sigmoid
+routing with the expert bias, a shared expert, router losses), ``--mla`` the attention MLA.
 """
 
 import dataclasses
@@ -30,18 +32,34 @@ from lmfunc.train.__main__ import exit_without_finalizing
 from tests.helpers import lm_batch
 
 
+MOE_SETTINGS = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1),
+                    moe_shared_expert_intermediate_size=32, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
+MLA_SETTINGS = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16,
+                    qk_pos_emb_head_dim=8, v_head_dim=16)
+
+
 def relative_errors(a, b) -> float:
+    """The largest per-leaf relative L2 error of ``a`` against ``b``."""
     worst = 0.0
     for (name, x), (_, y) in zip(flatten_with_paths(a), flatten_with_paths(b)):
         worst = max(worst, float((x - y).norm() / y.norm().clamp(min=1e-12)))
     return worst
 
 
+def total_error(a, b) -> float:
+    """The relative L2 error of all of ``a``'s leaves together against ``b``'s."""
+    flat = [torch.cat([t.reshape(-1).double() for _, t in flatten_with_paths(tree)]) for tree in (a, b)]
+    return float((flat[0] - flat[1]).norm() / flat[1].norm())
+
+
 def main() -> None:
     sizes = {k: int(v) for k, v in (item.split("=") for item in sys.argv[1].split(","))}
     out_path, compiled, sp = sys.argv[2], "--compile" in sys.argv, "--sp" in sys.argv
     layout = build_mesh(sizes)
-    cfg = dataclasses.replace(model_preset("tiny"), mtp_num_layers=int("--mtp" in sys.argv), sequence_parallel=sp)
+    cfg = dataclasses.replace(model_preset("tiny"), mtp_num_layers=int("--mtp" in sys.argv), sequence_parallel=sp,
+                              **(MOE_SETTINGS if "--moe" in sys.argv else {}),
+                              **(MLA_SETTINGS if "--mla" in sys.argv else {}))
     tx = adamw(1e-3, weight_decay=0.1)
     fp16 = "--fp16" in sys.argv
     precision = {"compute_dtype": torch.float16, "loss_scale": LossScaleConfig(initial_scale=2.0**15)} if fp16 else {}
@@ -69,7 +87,8 @@ def main() -> None:
         losses.append(float(metrics["loss"]))
     one_step = lambda: step(state, local_batch_to_dtensor(local, layout.mesh))  # noqa: E731
     collectives, elements = step_collectives(one_step) if compiled else (None, None)
-    final_error = relative_errors(full_tensors(state.params), reference.params)
+    final = full_tensors(state.params)
+    final_error = relative_errors(final, reference.params)
     moments = full_tensors(state.opt_state[0].mu)
     placements = sorted({str(tuple(p.placements)) for _, p in flatten_with_paths(state.params)})
     if dist.get_rank() == 0:
@@ -77,6 +96,8 @@ def main() -> None:
             json.dump({
                 "losses": losses, "reference_losses": reference_losses, "init_error": init_error,
                 "final_error": final_error, "moment_error": relative_errors(moments, reference.opt_state[0].mu),
+                "total_final_error": total_error(final, reference.params),
+                "total_moment_error": total_error(moments, reference.opt_state[0].mu),
                 "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"], "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
                 "placements": placements, "collectives": collectives, "elements": elements,
             }, f)

@@ -11,6 +11,7 @@ import torch
 
 from lmfunc import model
 from lmfunc.config import ConfigError, ModelConfig, model_preset
+from lmfunc.config.parallel import ParallelConfig
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import layers, mla
 from lmfunc.model.kv_cache import forward_cached, init_cache
@@ -123,8 +124,8 @@ def test_bad_mla_settings_are_named(change, message):
 def test_mla_settings_lmfunc_cannot_build_are_refused_by_name():
     with pytest.raises(ConfigError, match="qk_layernorm with MLA"):
         model.init(dataclasses.replace(MLA, qk_layernorm=True))
-    with pytest.raises(ConfigError, match=r"multi_latent_attention \(MLA\) on 2 processes"):
-        TrainConfig(model=MLA).validate(2)
+    with pytest.raises(ConfigError, match=r"multi_latent_attention \(MLA\) with parallel\.cp = 2"):
+        TrainConfig(model=MLA, parallel=ParallelConfig(cp=2)).validate(2)
 
 
 def test_the_deepseek_preset_trains(tmp_path):

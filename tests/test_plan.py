@@ -138,8 +138,9 @@ def test_moe_counts_and_flops():
     swiglu = cfg.replace(model=dataclasses.replace(cfg.model, activation="swiglu"))
     assert plan_of(swiglu).unpredicted == ["model.num_experts = 4 (MoE activations)"]
     swiglu.validate(1)
-    with pytest.raises(ConfigError, match=r"model\.num_experts = 4 \(MoE\) on 2 processes"):
-        swiglu.replace(parallel=ParallelConfig(dp_shard=2)).validate(2)
+    swiglu.replace(parallel=ParallelConfig(dp_shard=2)).validate(2)
+    with pytest.raises(ConfigError, match=r"model\.num_experts = 4 \(MoE\) with parallel\.pp = 2"):
+        swiglu.replace(parallel=ParallelConfig(pp=2)).validate(2)
 
 
 def test_mla_counts():

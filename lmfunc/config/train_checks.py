@@ -161,10 +161,12 @@ def untrainable_features(cfg: TrainConfig, world_size: int = 1) -> list[str]:
     p, m = cfg.parallel, cfg.model
     found = [f"parallel.ep = {p.ep}"] if p.ep != 1 else []
     found += unbuildable_features(m)
-    if m.num_experts is not None and world_size > 1:
-        found.append(f"model.num_experts = {m.num_experts} (MoE) on {world_size} processes")
-    if m.multi_latent_attention and world_size > 1:
-        found.append(f"model.multi_latent_attention (MLA) on {world_size} processes")
+    sizes = p.sizes(world_size)
+    for name, feature, on in (("MoE", f"model.num_experts = {m.num_experts}", m.num_experts is not None),
+                              ("MLA", "model.multi_latent_attention", m.multi_latent_attention)):
+        for dim in ("pp", "cp"):
+            if on and sizes[dim] > 1:
+                found.append(f"{feature} ({name}) with parallel.{dim} = {sizes[dim]}")
     return found
 
 
@@ -177,7 +179,7 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
         missing = untrainable_features(cfg, world_size)
         _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
                               "lmfunc.plan plans such runs); dp_replicate, dp_shard, cp, tp and pp are, and MoE and MLA "
-                              "on one process")
+                              "beside dp_replicate, dp_shard and tp")
     if cfg.parallel.cp > 1:
         _validate_context_parallel(cfg)
     _require(not cfg.model.scan_layers or world_size == 1,

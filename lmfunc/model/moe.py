@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from lmfunc.config import ModelConfig
 from lmfunc.grad import attach_aux_loss
 from lmfunc.model import layers
+from lmfunc.parallel.placement import gather, replicated, run_on_tokens
 
 ROUTER_LOSSES = ("aux_loss", "seq_aux_loss", "z_loss")
 """The router losses ``RouterStats.losses`` holds, in order (Megatron's names)."""
@@ -131,9 +132,15 @@ def load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: i
     """The Switch/GShard load-balancing loss ``coeff * E * sum_i f_i * P_i`` over T tokens:
     ``f_i`` the fraction of the T * k choices that went to expert i (``routing_map`` ``[T, E]``),
     ``P_i`` expert i's mean score (``scores`` ``[T, E]``)."""
-    tokens, experts = scores.shape
-    load = routing_map.float().sum(dim=0)
-    return (scores.sum(dim=0) * load).sum() * (experts * coeff / (topk * tokens * tokens))
+    return balancing_loss_of_sums(scores.sum(dim=0), routing_map.float().sum(dim=0), scores.shape[0], topk, coeff)
+
+
+def balancing_loss_of_sums(score_sums: torch.Tensor, load: torch.Tensor, tokens: int, topk: int,
+                           coeff: float) -> torch.Tensor:
+    """``load_balancing_loss`` from its two sums over the T tokens: every expert's summed score
+    ``[E]`` and its choices ``[E]`` (where the tokens are split over ranks, both summed over all
+    of them first: the loss is not a sum of per-rank parts)."""
+    return (score_sums * load).sum() * (score_sums.shape[-1] * coeff / (topk * tokens * tokens))
 
 
 def sequence_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
@@ -317,33 +324,48 @@ def moe_mlp(p: dict, x: torch.Tensor, cfg: ModelConfig,
     losses (``router_loss_weights``) receive that gradient; returns the output and ``RouterStats``."""
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
-    router, experts = p["router"], p["experts"]
-    logits = flat @ router["weight"]
+    router = p["router"]
+    logits = flat @ gather(router["weight"])
+    bias = router.get("expert_bias")
     routing = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
-                    router.get("expert_bias"), cfg.moe_router_num_groups, cfg.moe_router_group_topk,
+                    None if bias is None else gather(bias), cfg.moe_router_num_groups, cfg.moe_router_group_topk,
                     cfg.moe_router_topk_scaling_factor)
     num_experts = logits.shape[-1]
+    weights = [gather(p["experts"][name]) for name in ("w_gate", "w_up", "w_out")]
     if cfg.moe_expert_capacity_factor is None:
-        out = experts_dropless(flat, routing, experts["w_gate"], experts["w_up"], experts["w_out"])
+        out = run_on_tokens(lambda t, w, e, *ws: experts_dropless(t, Routing(w, e), *ws),
+                            flat, routing.weights, routing.experts, *weights)
         keep = None
     else:
-        capacity = expert_capacity(flat.shape[0], num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
-        out, keep = experts_with_capacity(flat, routing, experts["w_gate"], experts["w_up"], experts["w_out"],
-                                          capacity, cfg.moe_token_drop_policy)
+        def capped(t, w, e, *ws):
+            capacity = expert_capacity(t.shape[0], num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
+            return experts_with_capacity(t, Routing(w, e), *ws, capacity, cfg.moe_token_drop_policy)
+
+        out, keep = run_on_tokens(capped, flat, routing.weights, routing.experts, *weights, per_token=2)
     if "shared_experts" in p:
         out = out + layers.mlp(p["shared_experts"], flat, cfg)
-    scores, chosen = aux_loss_scores(logits, cfg.moe_router_topk, cfg.moe_router_score_function)
-    losses = torch.stack([
-        load_balancing_loss(scores, chosen, cfg.moe_router_topk, 1.0),
-        sequence_load_balancing_loss(scores.view(batch, seq, -1), chosen.view(batch, seq, -1), cfg.moe_router_topk, 1.0),
-        router_z_loss(logits, 1.0),
-    ])
-    weights = router_loss_weights(cfg)
-    if aux_grad_scale is not None and any(weights):
-        objective = (losses * torch.tensor(weights, dtype=losses.dtype, device=losses.device)).sum()
+    def loss_sums(t: torch.Tensor):
+        """Sums over one rank's tokens (or sequences) that the router losses are made of."""
+        scores, chosen = aux_loss_scores(t, cfg.moe_router_topk, cfg.moe_router_score_function)
+        sequences = t.shape[0] // seq
+        per_sequence = sequence_load_balancing_loss(scores.view(sequences, seq, -1), chosen.view(sequences, seq, -1),
+                                                    cfg.moe_router_topk, 1.0)
+        return (scores.sum(dim=0), chosen.float().sum(dim=0), per_sequence * sequences,
+                router_z_loss(t, 1.0) * t.shape[0])
+
+    score_sums, choices, sequence_sum, z_sum = map(replicated, run_on_tokens(loss_sums, logits, per_token=0, sums=4))
+    losses = torch.stack([balancing_loss_of_sums(score_sums, choices, flat.shape[0], cfg.moe_router_topk, 1.0),
+                          sequence_sum / batch, z_sum / flat.shape[0]])
+    loss_weights = router_loss_weights(cfg)
+    if aux_grad_scale is not None and any(loss_weights):
+        objective = (losses * torch.tensor(loss_weights, dtype=losses.dtype, device=losses.device)).sum()
         out = attach_aux_loss(out, objective, aux_grad_scale)
-    load = tokens_per_expert(routing.experts, num_experts, keep)
-    dropped = (~keep).sum().float() if keep is not None else load.new_zeros(())
+
+    def counts(experts: torch.Tensor, kept: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        load = tokens_per_expert(experts, num_experts, kept)
+        return load, (~kept).sum().float() if kept is not None else load.new_zeros(())
+
+    load, dropped = run_on_tokens(counts, routing.experts, keep, per_token=0, sums=2)
     return out.view(batch, seq, hidden), RouterStats(load.detach(), losses.detach(), dropped)
 
 

@@ -58,6 +58,42 @@ def run_local(fn: Callable[..., torch.Tensor], *args):
     return mapped(*args)
 
 
+def run_on_tokens(fn: Callable, tokens: torch.Tensor, *args, per_token: int = 1, sums: int = 0):
+    """``fn(tokens, *args)`` on each rank's own tokens, for a computation without DTensor sharding
+    rules (the MoE experts): ``tokens`` and every argument in its placements (per-token values)
+    as local shards, every other DTensor argument (a weight in its compute layout) whole, with a
+    gradient that is ``Partial`` over the mesh dims that split the tokens, since each rank's
+    tokens contribute their part. ``fn`` returns ``per_token`` tensors (in ``tokens``'
+    placements), then ``sums`` sums over the local tokens (``Partial`` over those dims, so they
+    are reduced where they are used). Plain tensors: ``fn(tokens, *args)``."""
+    if not isinstance(tokens, DTensor):
+        return fn(tokens, *args)
+    placements = list(tokens.placements)
+    split = [isinstance(p, Shard) for p in placements]
+
+    def grad_layout(a):
+        if not isinstance(a, DTensor):
+            return None
+        if list(a.placements) == placements:
+            return placements
+        return [Partial() if s else p for s, p in zip(split, a.placements)]
+
+    args = (tokens, *args)
+    outputs = [placements] * per_token + [[Partial() if s else p for s, p in zip(split, placements)]] * sums
+    mapped = local_map(fn, out_placements=tuple(outputs) if len(outputs) > 1 else outputs[0],
+                       in_placements=tuple(list(a.placements) if isinstance(a, DTensor) else None for a in args),
+                       in_grad_placements=tuple(map(grad_layout, args)), device_mesh=tokens.device_mesh)
+    return mapped(*args)
+
+
+def replicated(x: torch.Tensor) -> torch.Tensor:
+    """``x`` whole on every rank: a DTensor's shards gathered and partial sums reduced; plain
+    tensors unchanged."""
+    if not isinstance(x, DTensor):
+        return x
+    return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+
+
 def _tp_placement(x: DTensor, tp: Placement) -> list[Placement]:
     return [tp if name == "tp" else p for name, p in zip(x.device_mesh.mesh_dim_names, x.placements)]
 
