@@ -11,7 +11,7 @@ from lmfunc.config.train import DataConfig, RunConfig, TrainConfig
 from lmfunc.parallel.sharding import local_shape
 from lmfunc.plan import format_plan, make_plan
 from lmfunc.plan.__main__ import main as plan_main
-from lmfunc.plan.memory import local_params, predict_memory
+from lmfunc.plan.memory import layer_kept_bytes, local_params, predict_memory
 
 # megatron.md section 7: preset "tiny" (L=2, h=64, a=4, LayerNorm, GeLU, tied, V=384, s=128, b=2, B=8).
 WORKED = TrainConfig(
@@ -136,11 +136,27 @@ def test_moe_counts_and_flops():
     with pytest.raises(ConfigError, match=r"model\.activation = 'gelu' with MoE"):
         cfg.validate(1)
     swiglu = cfg.replace(model=dataclasses.replace(cfg.model, activation="swiglu"))
-    assert plan_of(swiglu).unpredicted == ["model.num_experts = 4 (MoE activations)"]
+    assert plan_of(swiglu).unpredicted == [] and plan_of(swiglu).lmfunc is not None
+    full = swiglu.replace(model=dataclasses.replace(swiglu.model, recompute_granularity="full"))
+    assert plan_of(full).unpredicted == ["model.num_experts = 4 with full recompute"]
     swiglu.validate(1)
     swiglu.replace(parallel=ParallelConfig(dp_shard=2)).validate(2)
     with pytest.raises(ConfigError, match=r"model\.num_experts = 4 \(MoE\) with parallel\.pp = 2"):
         swiglu.replace(parallel=ParallelConfig(pp=2)).validate(2)
+
+
+def test_moe_layers_keep_their_experts_values_in_place_of_the_mlps():
+    """Per token: k x (2 h + 3 f_expert) compute values and 3 fp32 router values per expert, in
+    place of the dense MLP's 3 f; a shared expert adds a dense MLP of its width (fp32 here)."""
+    base = WORKED.validate(1)
+    moe = base.replace(model=dataclasses.replace(base.model, activation="swiglu", num_experts=4, moe_router_topk=2,
+                                                 moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=32))
+    h, dense_f, tokens = 64, moe.model.ffn_size, base.run.micro_batch_size * base.data.seq_length
+    extra = layer_kept_bytes(moe, 1, "none", moe=True) - layer_kept_bytes(moe, 1, "none")
+    assert extra == tokens * 4 * (2 * (2 * h + 3 * 48) + 3 * 4 + 3 * 32 - 3 * dense_f)
+    dense_layers_only = predict_memory(moe.replace(model=dataclasses.replace(moe.model, num_experts=None)), {"dp_shard": 1})
+    with_experts = predict_memory(moe, {"dp_shard": 1})
+    assert with_experts.activations - dense_layers_only.activations == 2 * extra  # both layers are MoE layers
 
 
 def test_mla_counts():

@@ -12,6 +12,9 @@ What one rank holds during the compiled train step (``lmfunc.train.step``):
   (``KEPT_PER_TOKEN``), the embedding, final norm and output layer's working set, and one chunk
   of logits (``model.cross_entropy_chunk_tokens``; all logits without chunking).
 
+An MoE layer keeps, in place of the MLP's values, the values of each token's chosen experts and the
+router's (``MOE_VALUES_PER_CHOICE``, ``ROUTER_VALUES_PER_EXPERT``), plus a shared expert's.
+
 The peak is the state plus the compute copies plus the larger of the forward-backward working set
 (activations, the output layer, the gradients made so far) and the optimizer phase (all gradients).
 The per-token coefficients count the tensors the compiled step keeps on CPU (fp32 and bf16, every
@@ -91,6 +94,20 @@ KEPT_PER_TOKEN = {
 }
 """Per-layer values kept per token by the compiled step, by ``model.recompute_granularity`` (SwiGLU
 counts; GeLU keeps one ffn-sized value fewer)."""
+
+QK_NORM_VALUES = 1
+"""With ``model.qk_layernorm``: the normed queries and keys, kept beside their inputs (measured on
+the CPU with GQA 4/2 at width 256: 1.4% above this count)."""
+
+MOE_VALUES_PER_CHOICE = {"hidden": 2, "expert_ffn": 3}
+"""Values an MoE layer keeps per token and per chosen expert (compute dtype), in place of the dense
+MLP's: the token's row gathered for its expert and the expert's output (which the routing weight
+scales), and the expert's gate, up projection and their product. Fitted to the compiled step's
+measured peaks on the CPU (top-1 of 4 experts of width 768, top-2 of 8 of width 256, and top-2 of 8
+of width 128 beside a shared expert: within 3%)."""
+ROUTER_VALUES_PER_EXPERT = 3
+"""fp32 values an MoE layer keeps per token and expert: the router's logits and the scores of the
+routing and of the balancing losses."""
 
 HEAD_VALUES_PER_TOKEN = 7
 """fp32 hidden-size values per token outside the layers while the output layer runs: the embedding
@@ -186,19 +203,31 @@ def local_params(cfg: ModelConfig, sizes: dict[str, int], data_parallel_sharded:
                if path.startswith(prefix))
 
 
-def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1) -> float:
+def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1, moe: bool = False) -> float:
     """Bytes one transformer layer keeps for its backward pass over one microbatch on one
     tensor-parallel rank of a ``cp``-way context-parallel group (``KEPT_PER_TOKEN`` per local
     token; the keys and values for every token of the sequence, gathered over ``cp``; GeLU keeps
-    one ffn-sized value fewer)."""
+    one ffn-sized value fewer, QK-norm ``QK_NORM_VALUES`` more of queries and keys). An MoE layer (``moe``) keeps ``MOE_VALUES_PER_CHOICE`` for each of
+    a token's experts and ``ROUTER_VALUES_PER_EXPERT`` instead of the MLP's values, plus a shared
+    expert's as a dense MLP of its width (the experts are not split over ``tp``)."""
     m = cfg.model
     kept = KEPT_PER_TOKEN[granularity]
     if m.activation != "swiglu":
         kept = dataclasses.replace(kept, ffn=max(kept.ffn - 1, 0))
+    if m.qk_layernorm:
+        kept = dataclasses.replace(kept, query=kept.query + QK_NORM_VALUES, kv=kept.kv + QK_NORM_VALUES)
     tokens = cfg.run.micro_batch_size * cfg.data.seq_length
     compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
     gathered_kv = (tokens - tokens / cp) * kept.kv * m.query_groups * m.head_dim / tp * compute_bytes
-    return tokens / cp * kept.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + gathered_kv
+    moe_extra = 0.0
+    if moe:
+        shared = m.moe_shared_expert_intermediate_size or 0
+        moe_extra = (m.moe_router_topk * (MOE_VALUES_PER_CHOICE["hidden"] * m.hidden_size
+                                          + MOE_VALUES_PER_CHOICE["expert_ffn"] * m.expert_ffn_size) * compute_bytes
+                     + (kept.ffn * shared / tp - kept.ffn * m.ffn_size / tp) * compute_bytes
+                     + ROUTER_VALUES_PER_EXPERT * m.num_experts * 4)
+    per_token = kept.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + moe_extra
+    return tokens / cp * per_token + gathered_kv
 
 
 def attention_backward_bytes(cfg: TrainConfig, tp: int, cp: int) -> int:
@@ -243,8 +272,10 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     tokens = cfg.run.micro_batch_size * cfg.data.seq_length // cp
     scanned = m.num_layers if m.scan_layers else 0
     unrolled = m.num_layers + m.mtp_num_layers - scanned
+    moe_layers = sum(m.moe_layers) + (m.mtp_num_layers if m.moe_layers[-1] else 0)
     activations = int(scanned * layer_kept_bytes(cfg, tp, "none", cp)
-                      + unrolled * layer_kept_bytes(cfg, tp, m.recompute_granularity, cp))
+                      + (unrolled - moe_layers) * layer_kept_bytes(cfg, tp, m.recompute_granularity, cp)
+                      + (moe_layers * layer_kept_bytes(cfg, tp, m.recompute_granularity, cp, moe=True) if moe_layers else 0))
     scan_gradients = SCAN_GRADIENT_COPIES * 4 * local_params(m, sizes, prefix="layers.") if scanned else 0
     head = head_bytes(cfg, tp, cp)
     phases = [activations + scan_gradients + head, grads]

@@ -39,9 +39,11 @@ def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
     sizes = cfg.parallel.sizes(world_size)
     untrainable = untrainable_features(cfg, world_size)
     prediction, unpredicted = None, []
-    if not untrainable and (cfg.model.num_experts is not None or cfg.model.multi_latent_attention):
-        unpredicted = ([f"model.num_experts = {cfg.model.num_experts} (MoE activations)"] if cfg.model.num_experts
-                       else []) + (["model.multi_latent_attention (MLA)"] if cfg.model.multi_latent_attention else [])
+    m = cfg.model
+    moe_unmeasured = m.num_experts is not None and m.recompute_granularity == "full"
+    if not untrainable and (moe_unmeasured or m.multi_latent_attention):
+        unpredicted = ([f"model.num_experts = {m.num_experts} with full recompute"] if moe_unmeasured else []) + (
+            ["model.multi_latent_attention (MLA)"] if m.multi_latent_attention else [])
     elif not untrainable and sizes["pp"] > 1 and sizes["cp"] > 1:
         unpredicted = [f"parallel.pp = {sizes['pp']} with parallel.cp = {sizes['cp']}"]
     elif not untrainable:
