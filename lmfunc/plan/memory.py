@@ -13,7 +13,9 @@ What one rank holds during the compiled train step (``lmfunc.train.step``):
   of logits (``model.cross_entropy_chunk_tokens``; all logits without chunking).
 
 An MoE layer keeps, in place of the MLP's values, the values of each token's chosen experts and the
-router's (``MOE_VALUES_PER_CHOICE``, ``ROUTER_VALUES_PER_EXPERT``), plus a shared expert's.
+router's (``MOE_VALUES_PER_CHOICE``, ``ROUTER_VALUES_PER_EXPERT``), plus a shared expert's. A
+multi-head latent attention layer keeps ``MLA_VALUES`` in place of the query, key and value terms
+(measured without recompute only).
 
 The peak is the state plus the compute copies plus the larger of the forward-backward working set
 (activations, the output layer, the gradients made so far) and the optimizer phase (all gradients).
@@ -108,6 +110,15 @@ of width 128 beside a shared expert: within 3%)."""
 ROUTER_VALUES_PER_EXPERT = 3
 """fp32 values an MoE layer keeps per token and expert: the router's logits and the scores of the
 routing and of the balancing losses."""
+
+MLA_VALUES = {"query_key": 2, "value": 2, "q_latent": 2, "kv_latent": 1.5, "probabilities": 1}
+"""Values a multi-head latent attention layer keeps per token (compute dtype), in place of the
+query, key and value terms of ``KEPT_PER_TOKEN`` (no recompute): its queries and keys (a heads of
+``qk_head_dim + qk_pos_emb_head_dim``), its values and output (a heads of ``v_head_dim``), the
+query latent and its normed copy, the key/value latent (and part of its normed copy), and the
+softmax probabilities of every head over the ``seq`` keys: the CPU's fused attention kernel needs
+equal query and value widths, so SDPA runs its math kernel, which keeps them. Fitted to five
+measured MLA cases on the CPU (latents, head widths and the width varied: within 1%)."""
 
 HEAD_VALUES_PER_TOKEN = 7
 """fp32 hidden-size values per token outside the layers while the output layer runs: the embedding
@@ -226,6 +237,15 @@ def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1, m
                                           + MOE_VALUES_PER_CHOICE["expert_ffn"] * m.expert_ffn_size) * compute_bytes
                      + (kept.ffn * shared / tp - kept.ffn * m.ffn_size / tp) * compute_bytes
                      + ROUTER_VALUES_PER_EXPERT * m.num_experts * 4)
+    if m.multi_latent_attention:
+        standard = dataclasses.replace(kept, query=0, kv=0)
+        a = m.num_attention_heads / tp
+        latent = m.kv_lora_rank * MLA_VALUES["kv_latent"] + (m.q_lora_rank or 0) * MLA_VALUES["q_latent"]
+        mla_values = (MLA_VALUES["query_key"] * a * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+                      + MLA_VALUES["value"] * a * m.v_head_dim + latent
+                      + MLA_VALUES["probabilities"] * a * cfg.data.seq_length)
+        per_token = standard.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes)
+        return tokens * (per_token + mla_values * compute_bytes + moe_extra)
     per_token = kept.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + moe_extra
     return tokens / cp * per_token + gathered_kv
 

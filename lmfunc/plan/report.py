@@ -41,9 +41,10 @@ def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
     prediction, unpredicted = None, []
     m = cfg.model
     moe_unmeasured = m.num_experts is not None and m.recompute_granularity == "full"
-    if not untrainable and (moe_unmeasured or m.multi_latent_attention):
+    mla_unmeasured = m.multi_latent_attention and m.recompute_granularity != "none"
+    if not untrainable and (moe_unmeasured or mla_unmeasured):
         unpredicted = ([f"model.num_experts = {m.num_experts} with full recompute"] if moe_unmeasured else []) + (
-            ["model.multi_latent_attention (MLA)"] if m.multi_latent_attention else [])
+            [f"model.multi_latent_attention with {m.recompute_granularity} recompute"] if mla_unmeasured else [])
     elif not untrainable and sizes["pp"] > 1 and sizes["cp"] > 1:
         unpredicted = [f"parallel.pp = {sizes['pp']} with parallel.cp = {sizes['cp']}"]
     elif not untrainable:
