@@ -161,6 +161,8 @@ def untrainable_features(cfg: TrainConfig, world_size: int = 1) -> list[str]:
     p, m = cfg.parallel, cfg.model
     found = [f"parallel.ep = {p.ep}"] if p.ep != 1 else []
     found += unbuildable_features(m)
+    if m.num_experts is None and not m.multi_latent_attention:
+        return found
     sizes = p.sizes(world_size)
     for name, feature, on in (("MoE", f"model.num_experts = {m.num_experts}", m.num_experts is not None),
                               ("MLA", "model.multi_latent_attention", m.multi_latent_attention)):

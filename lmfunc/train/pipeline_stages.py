@@ -113,8 +113,9 @@ class StageModule(nn.Module):
             # this rank's share of the objective (a Partial sum over the data-parallel dims); its
             # gradient is 1 on every rank, a replicated one
             value = value.to_local(grad_placements=[Replicate()] * mesh.ndim)
-        # the fields are metrics only: detached, so a compiled stage's backward needs no tangent for them
-        return (value, *(field.detach() for field in out))
+        # the fields are metrics only: detached, so a compiled stage's backward needs no tangent for
+        # them (the router's statistics are None: MoE layers are refused beside pp)
+        return (value, *(field.detach() for field in out if field is not None))
 
 
 def _like(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
