@@ -68,6 +68,10 @@ def test_unknown_yaml_keys_get_a_did_you_mean(tmp_path, monkeypatch):
         train_config_from_dict({"optim": {"lr_decay_style": "cosin"}})
     with pytest.raises(ConfigError, match=r"run\.train_iters: expected int, got 'ten'"):
         train_config_from_dict({"run": {"train_iters": "ten"}})
+    with pytest.raises(ConfigError, match=r"model\.moe_layer_freq must be an integer or a list, got 'x'"):
+        train_config_from_dict({"model": {"moe_layer_freq": "x"}})
+    freq = train_config_from_dict({"model": {"num_experts": 4, "moe_layer_freq": [0, 1, 1, 1]}}).model.moe_layer_freq
+    assert freq == (0, 1, 1, 1) and train_config_from_dict({"model": {"moe_layer_freq": 2}}).model.moe_layer_freq == 2
 
 
 def test_unknown_preset_gets_a_did_you_mean():

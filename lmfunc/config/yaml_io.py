@@ -70,6 +70,13 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
+def _kind(hint: Any) -> str:
+    """How a YAML value of type ``hint`` is written, for messages: "an integer", "a list" ..."""
+    kinds = {int: "an integer", float: "a number", str: "a string", bool: "true or false", tuple: "a list",
+             list: "a list"}
+    return kinds.get(get_origin(hint) or hint, _type_name(hint))
+
+
 def _convert(value: Any, hint: Any, where: str) -> Any:
     """``value`` (from YAML) as the type ``hint``, or a ``ConfigError`` naming ``where``."""
     origin, args = get_origin(hint), get_args(hint)
@@ -77,12 +84,14 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        for candidate in inner[:-1]:  # the first type the value converts to (int before a list of ints)
+        if len(inner) == 1:
+            return _convert(value, inner[0], where)
+        for candidate in inner:  # the first type the value converts to (an int before a list of ints)
             try:
                 return _convert(value, candidate, where)
             except ConfigError:
                 continue
-        return _convert(value, inner[-1], where)
+        raise ConfigError(f"{where} must be {' or '.join(_kind(a) for a in inner)}, got {value!r}")
     if origin is Literal:
         if value in args:
             return value
