@@ -14,7 +14,7 @@ from lmfunc.config import ConfigError, ModelConfig
 from lmfunc.grad import value_and_grad
 from lmfunc.loss import lm_loss
 from lmfunc.loss.next_token import router_grad_scale
-from lmfunc.model import gpt, moe
+from lmfunc.model import moe
 from lmfunc.model.kv_cache import forward_cached, init_cache
 from lmfunc.optim import adamw
 from lmfunc.train.__main__ import main as train_main
@@ -46,7 +46,7 @@ def test_the_tree_has_dense_first_layers_routers_experts_and_a_moe_mtp_layer():
     assert shapes["layers.2.mlp.experts.w_out"].shape == (4, 16, 32)
     assert shapes["layers.2.mlp.shared_experts.w_up"].shape == (32, 24)
     assert "mtp.0.layer.mlp.router.weight" in shapes
-    assert gpt.moe_layer_names(MOE) == ["layers.1.mlp", "layers.2.mlp", "mtp.0.layer.mlp"]
+    assert moe.moe_layer_names(MOE) == ["layers.1.mlp", "layers.2.mlp", "mtp.0.layer.mlp"]
     every_other = dataclasses.replace(MOE, moe_layer_freq=2, mtp_num_layers=0)
     assert every_other.moe_layers == (True, False, True)
 
@@ -114,7 +114,7 @@ def test_the_step_moves_the_expert_bias_by_the_load_of_all_microbatches_and_logs
     load = sum(lm_loss(params, {k: v[i] for k, v in batch.items()}, MOE, None, torch.tensor(1.0)).router.load
                for i in range(2))
     state, metrics = make_train_step(MOE, tx, compile=False)(TrainState.create(params, tx), batch)
-    for name, layer_load in zip(gpt.moe_layer_names(MOE), load):
+    for name, layer_load in zip(moe.moe_layer_names(MOE), load):
         bias = dict(flatten_with_paths(state.params))[f"{name}.router.expert_bias"]
         torch.testing.assert_close(bias, 0.01 * torch.sign(layer_load.mean() - layer_load), rtol=0, atol=0)
     assert float(metrics["moe_tokens_per_expert_mean"]) == 2 * 16 * 2 / 4  # microbatches x tokens x topk / E

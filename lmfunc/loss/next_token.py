@@ -76,7 +76,7 @@ def output_layer_loss(
 class LossOutput(NamedTuple):
     """Sums and counts of one batch. ``mtp_loss_sums``/``mtp_num_tokens`` are ``[D]`` (empty
     without multi-token prediction); the per-token mean of depth k is their ratio. With MoE layers,
-    ``router`` holds their ``RouterStats`` stacked over the layers (``model.gpt.moe_layer_names``
+    ``router`` holds their ``RouterStats`` stacked over the layers (``model.moe.moe_layer_names``
     order): ``load`` ``[L_moe, E]``, ``losses`` ``[L_moe, 3]``, ``dropped`` ``[L_moe]``; None
     for a dense model."""
 

@@ -21,7 +21,7 @@ torch's ``scan``. ``stack_layers``/``unstack_layers`` convert between the two tr
 One table (``param_specs``) gives every leaf's shape, logical axes and initialiser, so
 ``init`` and ``param_axes`` can never disagree. A leaf can be non-trainable state that travels with
 the parameters (checkpoints, exports, evaluation): the routers' ``expert_bias``, which receives no
-gradient and which the train step sets with ``updated_expert_biases``.
+gradient and which the train step sets with ``moe.updated_expert_biases``.
 """
 
 from __future__ import annotations
@@ -420,35 +420,3 @@ def output_weight(params: Params, cfg: ModelConfig) -> torch.Tensor:
 def logits(params: Params, hidden: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Vocabulary logits ``[B, S, V]`` from final hidden states ``[B, S, h]``."""
     return hidden @ output_weight(params, cfg)
-
-
-def moe_layer_names(cfg: ModelConfig) -> list[str]:
-    """Dotted names of the MoE layers' MLP subtrees, in the order their ``RouterStats`` come out of
-    ``decoder`` and then ``mtp.forward``: ``layers.<i>.mlp`` ..., ``mtp.<k>.layer.mlp`` ..."""
-    names = [f"layers.{i}.mlp" for i, is_moe in enumerate(cfg.moe_layers) if is_moe]
-    if cfg.moe_layers[-1]:
-        names += [f"mtp.{k}.layer.mlp" for k in range(cfg.mtp_num_layers)]
-    return names
-
-
-def updated_expert_biases(params: Params, load: torch.Tensor, cfg: ModelConfig) -> Params:
-    """``params`` with every router's ``expert_bias`` moved by DeepSeek-V3's aux-loss-free step
-    (``moe.updated_expert_bias`` at ``moe_router_bias_update_rate``), ``load`` ``[L_moe, E]`` the
-    pairs each expert of each MoE layer (``moe_layer_names`` order) took over the step. Other
-    leaves are shared; without expert biases ``params`` itself."""
-    if not cfg.moe_router_enable_expert_bias:
-        return params
-    new = dict(params)
-    for name, layer_load in zip(moe_layer_names(cfg), load.unbind(0)):
-        *parents, last = name.split(".")
-        node = new
-        for key in parents:
-            node[key] = dict(node[key])
-            node = node[key]
-        mlp = dict(node[last])
-        router = dict(mlp["router"])
-        router["expert_bias"] = moe.updated_expert_bias(router["expert_bias"], layer_load,
-                                                        cfg.moe_router_bias_update_rate)
-        mlp["router"] = router
-        node[last] = mlp
-    return new

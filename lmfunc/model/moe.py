@@ -402,3 +402,35 @@ def router_metrics(stats: RouterStats, num_microbatches: int, cfg: ModelConfig) 
         routed = stats.load.sum() + stats.dropped.sum()
         metrics["moe_dropped_fraction"] = stats.dropped.sum() / torch.clamp(routed, min=1.0)
     return metrics
+
+
+def moe_layer_names(cfg: ModelConfig) -> list[str]:
+    """Dotted names of the MoE layers' MLP subtrees, in the order their ``RouterStats`` come out of
+    ``decoder`` and then ``mtp.forward``: ``layers.<i>.mlp`` ..., ``mtp.<k>.layer.mlp`` ..."""
+    names = [f"layers.{i}.mlp" for i, is_moe in enumerate(cfg.moe_layers) if is_moe]
+    if cfg.moe_layers[-1]:
+        names += [f"mtp.{k}.layer.mlp" for k in range(cfg.mtp_num_layers)]
+    return names
+
+
+def updated_expert_biases(params: dict, load: torch.Tensor, cfg: ModelConfig) -> dict:
+    """``params`` with every router's ``expert_bias`` moved by DeepSeek-V3's aux-loss-free step
+    (``moe.updated_expert_bias`` at ``moe_router_bias_update_rate``), ``load`` ``[L_moe, E]`` the
+    pairs each expert of each MoE layer (``moe_layer_names`` order) took over the step. Other
+    leaves are shared; without expert biases ``params`` itself."""
+    if not cfg.moe_router_enable_expert_bias:
+        return params
+    new = dict(params)
+    for name, layer_load in zip(moe_layer_names(cfg), load.unbind(0)):
+        *parents, last = name.split(".")
+        node = new
+        for key in parents:
+            node[key] = dict(node[key])
+            node = node[key]
+        mlp = dict(node[last])
+        router = dict(mlp["router"])
+        router["expert_bias"] = updated_expert_bias(router["expert_bias"], layer_load,
+                                                        cfg.moe_router_bias_update_rate)
+        mlp["router"] = router
+        node[last] = mlp
+    return new

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from lmfunc.config.model import ConfigError, ModelConfig
-from lmfunc.model.gpt import moe_layer_names
+from lmfunc.model.moe import moe_layer_names
 from lmfunc.train.state import TrainState
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config import ModelConfig
 from lmfunc.grad import value_and_grad
-from lmfunc.model import gpt, moe
+from lmfunc.model import moe
 from lmfunc.loss import LossOutput, lm_loss
 from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.optim.transforms import Schedule
@@ -178,7 +178,7 @@ def make_train_step(
 
     MoE layers: the router losses join the gradient inside ``loss_fn``; after the update, every
     router's ``expert_bias`` (aux-loss-free balancing; no gradient) takes its step from the pairs
-    its experts took over all microbatches (``gpt.updated_expert_biases``), on skipped steps too,
+    its experts took over all microbatches (``moe.updated_expert_biases``), on skipped steps too,
     as Megatron updates it before its optimizer step.
     """
     dropout = cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
@@ -241,7 +241,7 @@ def make_train_step(
         for k in range(cfg.mtp_num_layers):
             metrics[f"mtp_{k + 1}_loss"] = mtp_sums[k] / torch.clamp(mtp_counts[k], min=1.0)
         if router is not None:
-            params = gpt.updated_expert_biases(params, router.load, cfg)
+            params = moe.updated_expert_biases(params, router.load, cfg)
             metrics |= moe.router_metrics(router, num_micro, cfg)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(optimizer_steps)
