@@ -1,13 +1,16 @@
 """One multi-rank parity run, launched by tests/test_parallel.py with torchrun.
 
 Usage: torchrun --nproc-per-node N tests/parallel_worker.py LAYOUT OUT.json [--compile] [--sp] [--mtp] [--fp16]
-[--moe] [--mla]
-LAYOUT is e.g. ``dp_shard=2`` or ``dp_shard=2,tp=2``. Trains the tiny model (with one MTP depth
+[--moe] [--mla] [--capacity] [--data-seed=N]
+LAYOUT is e.g. ``dp_shard=2`` or ``dp_shard=2,tp=2`` (``ParallelConfig`` fields: ``dp_shard=2,ep=2``
+splits the experts over 2 of the 2 data-parallel shard ranks). Trains the tiny model (with one MTP depth
 and fp32) for 5 steps on the mesh and, in the same process, on plain tensors; rank 0 writes the
 per-step losses, the initial and final parameter errors (per-leaf relative L2), graph counts and,
 compiled, the collectives one more step issues. ``--fp16`` computes in fp16 with dynamic loss
 scaling on both sides. ``--moe`` makes the second layer an MoE layer (``MOE_SETTINGS``: sigmoid
-routing with the expert bias, a shared expert, router losses), ``--mla`` the attention MLA.
+routing with the expert bias, a shared expert, router losses), ``--capacity`` gives its experts a
+capacity that drops nothing (the static-shape dispatch), ``--mla`` the attention MLA.
+``--data-seed=N`` draws the 5 batches from seeds N ... N + 4 (default 0).
 """
 
 import dataclasses
@@ -22,7 +25,8 @@ from experiments.bench.comm import step_collectives
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.optim import adamw
-from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
+from lmfunc.config.parallel import ParallelConfig
+from lmfunc.parallel.mesh import build_mesh, data_parallel_rank, launched_world_size
 from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor
 from lmfunc.precision import LossScaleConfig
 from lmfunc.train.params import init_params
@@ -54,17 +58,19 @@ def total_error(a, b) -> float:
 
 
 def main() -> None:
-    sizes = {k: int(v) for k, v in (item.split("=") for item in sys.argv[1].split(","))}
+    fields = {k: int(v) for k, v in (item.split("=") for item in sys.argv[1].split(","))}
     out_path, compiled, sp = sys.argv[2], "--compile" in sys.argv, "--sp" in sys.argv
-    layout = build_mesh(sizes)
+    layout = build_mesh(ParallelConfig(**fields).sizes(launched_world_size()))
     cfg = dataclasses.replace(model_preset("tiny"), mtp_num_layers=int("--mtp" in sys.argv), sequence_parallel=sp,
                               **(MOE_SETTINGS if "--moe" in sys.argv else {}),
+                              **({"moe_expert_capacity_factor": 4.0} if "--capacity" in sys.argv else {}),
                               **(MLA_SETTINGS if "--mla" in sys.argv else {}))
     tx = adamw(1e-3, weight_decay=0.1)
     fp16 = "--fp16" in sys.argv
     precision = {"compute_dtype": torch.float16, "loss_scale": LossScaleConfig(initial_scale=2.0**15)} if fp16 else {}
     scaling = precision.get("loss_scale")
-    batches = [lm_batch(cfg.vocab_size, microbatches=2, batch=4, seq=16, seed=i) for i in range(5)]
+    first_seed = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--data-seed=")), 0)
+    batches = [lm_batch(cfg.vocab_size, microbatches=2, batch=4, seq=16, seed=first_seed + i) for i in range(5)]
 
     reference = TrainState.create(model.init(cfg, seed=0), tx, loss_scale=scaling)
     reference_step = make_train_step(cfg, tx, compile=False, **precision)
@@ -90,7 +96,8 @@ def main() -> None:
     final = full_tensors(state.params)
     final_error = relative_errors(final, reference.params)
     moments = full_tensors(state.opt_state[0].mu)
-    placements = sorted({str(tuple(p.placements)) for _, p in flatten_with_paths(state.params)})
+    leaf_placements = {path: str(tuple(p.placements)) for path, p in flatten_with_paths(state.params)}
+    placements = sorted(set(leaf_placements.values()))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump({
@@ -99,7 +106,7 @@ def main() -> None:
                 "total_final_error": total_error(final, reference.params),
                 "total_moment_error": total_error(moments, reference.opt_state[0].mu),
                 "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"], "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-                "placements": placements, "collectives": collectives, "elements": elements,
+                "placements": placements, "leaf_placements": leaf_placements, "collectives": collectives, "elements": elements,
             }, f)
     dist.barrier()
     dist.destroy_process_group()

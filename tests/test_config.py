@@ -98,7 +98,7 @@ def test_unknown_preset_gets_a_did_you_mean():
         (["--run.rampup-batch-size", "4", "4", "100"], r"run\.rampup_batch_size needs a sample-based run"),
         (["--run.train-samples", "100"], r"set exactly one of run\.train_iters .* and run\.train_samples"),
         (["--parallel.tp", "2"], r"parallel sizes \(tp 2 = 2\) do not multiply to the world size 1; launch 2 processes"),
-        (["--parallel.ep", "2"], r"parallel\.ep = 2: not implemented in this version of lmfunc \(python -m lmfunc\.plan plans"),
+        (["--parallel.ep", "2"], r"parallel\.ep \(2\) must divide parallel\.dp_shard \(1\): expert-parallel ranks are data-parallel"),
         (["--parallel.tp", "-1", "--parallel.dp-shard", "-1"], r"only one parallel size may be -1"),
     ],
 )

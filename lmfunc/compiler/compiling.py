@@ -77,6 +77,8 @@ def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    for node in graph.graph.nodes:
+        node.meta.pop("unbacked_bindings", None)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with tracing(TracingContext(fake_mode)):
         fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
@@ -134,11 +136,14 @@ def retained_backward_settings():
 
 
 def tracing_settings() -> contextlib.AbstractContextManager:
-    """The Dynamo setting a step needs while it is traced: ``torch.autograd.grad`` (``lmfunc.grad``)
+    """The Dynamo settings a step needs while it is traced: ``torch.autograd.grad`` (``lmfunc.grad``)
     traced into the graph, through the private ``torch._dynamo.config.trace_autograd_ops``
-    (``tests/test_grad.py`` fails if it stops working). lmfunc never sets it globally: importing
-    lmfunc changes no torch setting (``tests/test_compiling.py``)."""
-    return torch._dynamo.config.patch(trace_autograd_ops=True)
+    (``tests/test_grad.py`` fails if it stops working), and ``capture_scalar_outputs``, so that
+    the data-dependent sizes of expert parallelism's dropless all-to-all (``.tolist()`` of the
+    exchanged counts, ``lmfunc.parallel.expert_parallel``) become unbacked sizes inside the one
+    graph instead of a graph break. lmfunc never sets them globally: importing lmfunc changes no
+    torch setting (``tests/test_compiling.py``)."""
+    return torch._dynamo.config.patch(trace_autograd_ops=True, capture_scalar_outputs=True)
 
 
 def with_own_code(fn: Callable) -> Callable:

@@ -18,6 +18,8 @@ import operator
 
 import networkx as nx
 import torch
+import torch._inductor.config
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 import torch.fx as fx
 from torch._functorch.partitioners import must_recompute
 from torch.utils.checkpoint import CheckpointPolicy
@@ -58,10 +60,13 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _bytes(node: fx.Node) -> int | None:
-    """Bytes of the node's value, or None when it is not a single tensor (cannot be stored)."""
+    """Bytes of the node's value, or None when it is not a single tensor (cannot be stored). A size
+    known only at run time (expert parallelism's received rows: an unbacked size) is estimated
+    with Inductor's ``unbacked_symint_fallback`` for each unknown, without adding a guard."""
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        fallback = torch._inductor.config.unbacked_symint_fallback
+        return optimization_hint(value.numel(), fallback=fallback) * value.element_size()
     return None
 
 

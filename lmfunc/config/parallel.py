@@ -9,8 +9,10 @@ from typing import Optional
 
 from lmfunc.config.model import ConfigError, ModelConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""Mesh dim names, outermost first (Megatron's order read backwards: tp is the fastest)."""
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+"""Mesh dim names, outermost first (Megatron's order read backwards: tp is the fastest). ``ep`` is
+carved out of the data-parallel ranks: on the mesh, ``parallel.dp_shard`` is factored into
+``dp_shard / ep`` (outer, still called ``dp_shard``) times ``ep`` (``ParallelConfig.sizes``)."""
 
 
 def resolve_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
@@ -41,12 +43,16 @@ def resolve_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
 
 def check_divisibility(sizes: dict[str, int], model: ModelConfig, seq_length: Optional[int] = None) -> None:
     """Reject layouts the model cannot be split by, naming the numbers."""
-    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+    tp, cp, ep = sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("ep", 1)
+    if ep > 1 and model.num_experts is None:
+        raise ConfigError(f"parallel.ep = {ep} splits the experts of an MoE model, but model.num_experts is unset; "
+                          "set --model.num-experts or use parallel.ep = 1")
     checks = [
         ("model.num_attention_heads", model.num_attention_heads, "parallel.tp", tp),
         ("model.num_query_groups", model.query_groups, "parallel.tp", tp),
         ("model.vocab_size", model.vocab_size, "parallel.tp", tp),
         ("model.ffn_hidden_size", model.ffn_size, "parallel.tp", tp),
+        ("model.num_experts", model.num_experts or 0, "parallel.ep", ep),
     ]
     if seq_length is not None:
         checks.append(("data.seq_length", seq_length, "parallel.tp x parallel.cp", tp * cp))
@@ -79,7 +85,10 @@ class ParallelConfig:
     (2 x cp chunks, rank r holding chunks r and 2cp-1-r), attention over keys and values gathered
     over cp (``lmfunc.parallel.context``)."""
     ep: int = 1
-    """Expert-parallel size (planned by ``python -m lmfunc.plan``; not trainable yet: must be 1)."""
+    """Expert-parallel size: the routed experts of every MoE layer split over ep ranks, tokens sent
+    to their experts' ranks by all-to-all (``lmfunc.parallel.expert_parallel``). Megatron's layout:
+    the ep ranks are data-parallel ranks (ep divides dp_shard), everything but the experts is
+    sharded over the whole dp_shard, the experts over dp_shard / ep (the expert-data-parallel size)."""
     virtual_stages: Optional[int] = None
     """Virtual pipeline stages per rank (interleaved-1f1b and zero-bubble; unset: 1, or the V
     schedules' 2)."""
@@ -102,10 +111,25 @@ class ParallelConfig:
     compiled step (Megatron's --ddp-bucket-size, counted in MiB here)."""
 
     def sizes(self, world_size: int) -> dict[str, int]:
-        """Mesh sizes by name (``MESH_DIMS`` order) with a -1 resolved against ``world_size``."""
-        return resolve_sizes({"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                              "cp": self.cp, "tp": self.tp}, world_size)
+        """Mesh sizes by name (``MESH_DIMS`` order) with a -1 resolved against ``world_size``; the
+        mesh's ``dp_shard`` is ``parallel.dp_shard / ep`` and its ``ep`` is ``parallel.ep``."""
+        sizes = resolve_sizes({"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                               "cp": self.cp, "tp": self.tp}, world_size)
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"parallel.ep must be a positive integer, got {self.ep!r}")
+        if sizes["dp_shard"] % self.ep:
+            raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp_shard ({sizes['dp_shard']}): expert-parallel "
+                              "ranks are data-parallel ranks (Megatron's layout); make dp_shard a multiple of ep")
+        mesh = {name: sizes[name] for name in ("pp", "dp_replicate")}
+        mesh.update(dp_shard=sizes["dp_shard"] // self.ep, ep=self.ep, cp=sizes["cp"], tp=sizes["tp"])
+        return mesh
 
     def data_parallel_size(self, world_size: int) -> int:
-        sizes = self.sizes(world_size)
-        return sizes["dp_replicate"] * sizes["dp_shard"]
+        """Data-parallel ranks: ``dp_replicate x dp_shard`` (the ep ranks among them)."""
+        return data_parallel_size(self.sizes(world_size))
+
+
+def data_parallel_size(sizes: dict[str, int]) -> int:
+    """The data-parallel ranks of mesh ``sizes``: the batch is split over ``dp_replicate``,
+    ``dp_shard`` and ``ep``."""
+    return sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1) * sizes.get("ep", 1)

@@ -159,8 +159,7 @@ def untrainable_features(cfg: TrainConfig, world_size: int = 1) -> list[str]:
     """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet on
     ``world_size`` processes, each named with its value (empty when the run is trainable)."""
     p, m = cfg.parallel, cfg.model
-    found = [f"parallel.ep = {p.ep}"] if p.ep != 1 else []
-    found += unbuildable_features(m)
+    found = unbuildable_features(m)
     if m.num_experts is None and not m.multi_latent_attention:
         return found
     sizes = p.sizes(world_size)
@@ -181,7 +180,7 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
         missing = untrainable_features(cfg, world_size)
         _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
                               "lmfunc.plan plans such runs); dp_replicate, dp_shard, cp, tp and pp are, and MoE and MLA "
-                              "beside dp_replicate, dp_shard and tp")
+                              "beside dp_replicate, dp_shard, ep and tp")
     if cfg.parallel.cp > 1:
         _validate_context_parallel(cfg)
     _require(not cfg.model.scan_layers or world_size == 1,

@@ -36,7 +36,9 @@ import torch.nn.functional as F
 from lmfunc.config import ModelConfig
 from lmfunc.grad import attach_aux_loss
 from lmfunc.model import layers
-from lmfunc.parallel.placement import gather, replicated, run_on_tokens
+from lmfunc.parallel.expert_parallel import (ExpertGroup, combine_slots, combine_sorted, dispatch_slots,
+                                              dispatch_sorted, expert_group)
+from lmfunc.parallel.placement import gather, gather_experts, replicated, run_on_tokens
 
 ROUTER_LOSSES = ("aux_loss", "seq_aux_loss", "z_loss")
 """The router losses ``RouterStats.losses`` holds, in order (Megatron's names)."""
@@ -53,6 +55,22 @@ class Routing(NamedTuple):
     experts: torch.Tensor
 
 
+def one_hot_any(indices: torch.Tensor, classes: int) -> torch.Tensor:
+    """The map ``[T, classes]`` (bool) of the ``indices`` ``[T, k]`` each row holds."""
+    return (indices[:, :, None] == torch.arange(classes, device=indices.device)).any(dim=1)
+
+
+def take(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``values.gather(1, indices)`` for ``values`` ``[T, E]`` and ``indices`` ``[T, k]``: ``[T, k]``,
+    written as a masked sum over the E values, so its backward is a product, not a scatter into a
+    zero-filled buffer. torch 2.13's Inductor schedules a reader of such a scatter's result (the
+    top-k or gather backward of the routing weights) before the scatter itself when the router
+    losses' gradient joins it, silently dropping the routing weights' part of the router gradient
+    (``tests/test_moe.py`` compiles the router's gradient against eager)."""
+    mask = indices[:, :, None] == torch.arange(values.shape[-1], device=values.device)
+    return (values[:, None, :] * mask).sum(dim=-1)
+
+
 def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of ``scores`` ``[T, E]`` among the experts of each token's best ``group_topk`` of
     ``num_groups`` equal groups, a group scored by the sum of its ``topk // group_topk`` highest
@@ -63,7 +81,7 @@ def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_t
                          f"topk ({topk}) divisible by the chosen groups ({group_topk}), and group_topk <= num_groups")
     grouped = scores.view(tokens, num_groups, experts // num_groups)
     group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
-    chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_scores.topk(group_topk, dim=-1).indices, True)
+    chosen = one_hot_any(group_scores.topk(group_topk, dim=-1).indices, num_groups)
     allowed = chosen[:, :, None].expand_as(grouped).reshape(tokens, experts)
     return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
 
@@ -85,9 +103,13 @@ def route(logits: torch.Tensor, topk: int, score_function: ScoreFunction = "soft
     logits = logits.float()
 
     def top(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts of ``scores`` and their values, which ``take`` reads (no gradient
+        flows through the top-k itself)."""
         if group_topk:
-            return group_limited_topk(scores, topk, num_groups, group_topk)
-        return scores.topk(topk, dim=-1)
+            experts = group_limited_topk(scores.detach(), topk, num_groups, group_topk)[1]
+        else:
+            experts = scores.detach().topk(topk, dim=-1).indices
+        return take(scores, experts), experts
 
     if score_function == "softmax":
         if expert_bias is not None:
@@ -101,7 +123,7 @@ def route(logits: torch.Tensor, topk: int, score_function: ScoreFunction = "soft
         scores = torch.sigmoid(logits)
         if expert_bias is not None:
             experts = top(scores + expert_bias.float())[1]
-            weights = scores.gather(1, experts)
+            weights = take(scores, experts)
         else:
             weights, experts = top(scores)
         if topk > 1:
@@ -124,7 +146,7 @@ def aux_loss_scores(logits: torch.Tensor, topk: int, score_function: ScoreFuncti
     else:
         scores = torch.sigmoid(logits)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, scores.topk(topk, dim=-1).indices, True)
+    chosen = one_hot_any(scores.topk(topk, dim=-1).indices, scores.shape[-1])
     return scores, chosen
 
 
@@ -209,20 +231,26 @@ def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: t
 
 
 def experts_with_capacity(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor,
-                          w_down: torch.Tensor, capacity: int, policy: DropPolicy = "probs") -> tuple[torch.Tensor, torch.Tensor]:
+                          w_down: torch.Tensor, capacity: int, policy: DropPolicy = "probs",
+                          ep: Optional[ExpertGroup] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The weighted sum of each token's experts for tokens ``x`` ``[T, h]``, experts ``w_gate``,
     ``w_up`` ``[E, h, f]`` and ``w_down`` ``[E, f, h]``, each expert taking at most ``capacity``
     pairs (``queue_positions`` decides which; the others are dropped, contributing nothing).
-    Static shapes: every expert runs on a ``[capacity, h]`` buffer. Returns ``[T, h]`` and the kept
-    pairs ``[T, k]`` (bool)."""
+    Static shapes: every expert runs on a ``[capacity, h]`` buffer. With ``ep`` the weights are this
+    rank's ``E / ep`` experts and the buffers travel to their experts' ranks and back
+    (``dispatch_slots``). Returns ``[T, h]`` and the kept pairs ``[T, k]`` (bool)."""
     tokens, hidden = x.shape
-    num_experts = w_gate.shape[0]
+    num_experts = w_gate.shape[0] * (ep.size if ep is not None else 1)
     positions = queue_positions(routing, num_experts, policy)
     keep = positions < capacity
     slot = torch.where(keep, routing.experts * capacity + positions, num_experts * capacity)  # dropped: a spare slot
     token = torch.arange(tokens, device=x.device)[:, None].expand_as(slot).reshape(-1)
     buffer = x.new_zeros(num_experts * capacity + 1, hidden).index_copy(0, slot.reshape(-1), x[token])
-    out = _swiglu(buffer[:-1].view(num_experts, capacity, hidden), w_gate, w_up, w_down, torch.bmm)
+    buffer = buffer[:-1].view(num_experts, capacity, hidden)
+    if ep is None:
+        out = _swiglu(buffer, w_gate, w_up, w_down, torch.bmm)
+    else:
+        out = combine_slots(_swiglu(dispatch_slots(buffer, ep), w_gate, w_up, w_down, torch.bmm), ep)
     out = torch.cat([out.reshape(-1, hidden), out.new_zeros(1, hidden)])[slot.reshape(-1)]
     weights = (routing.weights * keep).reshape(-1, 1).to(out.dtype)
     return x.new_zeros(tokens, hidden).index_add(0, token, out * weights), keep
@@ -280,17 +308,24 @@ grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_set
 
 
 def experts_dropless(x: torch.Tensor, routing: Routing, w_gate: torch.Tensor, w_up: torch.Tensor,
-                     w_down: torch.Tensor) -> torch.Tensor:
+                     w_down: torch.Tensor, ep: Optional[ExpertGroup] = None) -> torch.Tensor:
     """The weighted sum of each token's experts for tokens ``x`` ``[T, h]`` (weights as in
     ``experts_with_capacity``), every pair kept: the pairs sorted by expert and each projection one
-    grouped matmul over the experts' row ranges (``grouped_mm``), eager and compiled alike.
-    Returns ``[T, h]``."""
+    grouped matmul over the experts' row ranges (``grouped_mm``), eager and compiled alike. With
+    ``ep`` the weights are this rank's ``E / ep`` experts and the sorted rows travel to their
+    experts' ranks and back (``dispatch_sorted``). Returns ``[T, h]``."""
     tokens, hidden = x.shape
     experts = routing.experts.reshape(-1)
     order = torch.argsort(experts, stable=True)
     token = torch.div(order, routing.experts.shape[1], rounding_mode="floor")
-    ends = torch.cumsum(_counts(experts, w_gate.shape[0]), 0).to(torch.int32)
-    out = _swiglu(x[token], w_gate, w_up, w_down, lambda a, w: grouped_mm(a, w, ends))
+    counts = _counts(experts, w_gate.shape[0] * (ep.size if ep is not None else 1))
+    rows = x[token]
+    if ep is not None:
+        rows, counts, dispatched = dispatch_sorted(rows, counts, ep)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    out = _swiglu(rows, w_gate, w_up, w_down, lambda a, w: grouped_mm(a, w, ends))
+    if ep is not None:
+        out = combine_sorted(out, dispatched, ep)
     weights = routing.weights.reshape(-1)[order].reshape(-1, 1).to(out.dtype)
     return x.new_zeros(tokens, hidden).index_add(0, token, out * weights)
 
@@ -319,8 +354,10 @@ def moe_mlp(p: dict, x: torch.Tensor, cfg: ModelConfig,
             aux_grad_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, RouterStats]:
     """The MoE layer ``[B, S, h] -> [B, S, h]`` on tokens ``x``: routing (``route`` with the
     config's score function, top-k, groups, scaling and expert bias), the routed experts (dropless,
-    or with ``moe_expert_capacity_factor``'s capacity over the microbatch's B * S tokens and
-    ``moe_token_drop_policy``), plus the shared experts. With ``aux_grad_scale`` the weighted router
+    or with ``moe_expert_capacity_factor``'s capacity over the microbatch's tokens on this rank, as
+    Megatron's, and ``moe_token_drop_policy``), plus the shared experts. On a mesh with an ``ep`` dim
+    each rank runs its ``E / ep`` experts on the pairs every rank routes to them
+    (``lmfunc.parallel.expert_parallel``). With ``aux_grad_scale`` the weighted router
     losses (``router_loss_weights``) receive that gradient; returns the output and ``RouterStats``."""
     batch, seq, hidden = x.shape
     flat = x.reshape(batch * seq, hidden)
@@ -331,15 +368,16 @@ def moe_mlp(p: dict, x: torch.Tensor, cfg: ModelConfig,
                     None if bias is None else gather(bias), cfg.moe_router_num_groups, cfg.moe_router_group_topk,
                     cfg.moe_router_topk_scaling_factor)
     num_experts = logits.shape[-1]
-    weights = [gather(p["experts"][name]) for name in ("w_gate", "w_up", "w_out")]
+    weights = [gather_experts(p["experts"][name]) for name in ("w_gate", "w_up", "w_out")]
+    ep = expert_group(flat)
     if cfg.moe_expert_capacity_factor is None:
-        out = run_on_tokens(lambda t, w, e, *ws: experts_dropless(t, Routing(w, e), *ws),
+        out = run_on_tokens(lambda t, w, e, *ws: experts_dropless(t, Routing(w, e), *ws, ep=ep),
                             flat, routing.weights, routing.experts, *weights)
         keep = None
     else:
         def capped(t, w, e, *ws):
             capacity = expert_capacity(t.shape[0], num_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor)
-            return experts_with_capacity(t, Routing(w, e), *ws, capacity, cfg.moe_token_drop_policy)
+            return experts_with_capacity(t, Routing(w, e), *ws, capacity, cfg.moe_token_drop_policy, ep=ep)
 
         out, keep = run_on_tokens(capped, flat, routing.weights, routing.experts, *weights, per_token=2)
     if "shared_experts" in p:

@@ -1,8 +1,9 @@
 """``build_mesh``: a named ``DeviceMesh`` in Megatron's rank order.
 
 Megatron orders ranks with tensor parallelism fastest, then context, expert, data and pipeline
-parallelism. The mesh here has the dims ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first), so
-consecutive ranks differ in ``tp`` first. Only dims larger than 1 are created; a run whose sizes are
+parallelism. The mesh here has the dims ``pp, dp_replicate, dp_shard, ep, cp, tp`` (outermost first),
+so consecutive ranks differ in ``tp`` first; ``ep`` is the inner factor of the data-parallel shard
+ranks (``ParallelConfig.sizes``). Only dims larger than 1 are created; a run whose sizes are
 all 1 has no mesh and runs on plain tensors.
 """
 
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lmfunc.config.parallel import MESH_DIMS, check_divisibility, resolve_sizes
+from lmfunc.config.parallel import MESH_DIMS, check_divisibility, data_parallel_size, resolve_sizes
+from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 
 __all__ = [
     "MESH_DIMS", "Layout", "build_mesh", "check_divisibility", "data_parallel_rank", "launched_world_size", "resolve_sizes",
@@ -61,7 +63,7 @@ class Layout:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+        return data_parallel_size(self.sizes)
 
     def dims(self) -> tuple[str, ...]:
         return tuple(self.mesh.mesh_dim_names) if self.mesh is not None else ()
@@ -110,10 +112,10 @@ def _per_rank_compile_cache(rank: int) -> None:
 
 def data_parallel_rank(layout: Layout) -> int:
     """This process's index among the data-parallel ranks (0 without a mesh): dp_replicate-major,
-    the order in which a batch split over both data-parallel dims is laid out."""
+    then dp_shard, then ep, the order in which a batch split over the data-parallel dims is laid out."""
     if layout.mesh is None:
         return 0
-    names = layout.dims()
-    replicate = layout.mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
-    shard = layout.mesh.get_local_rank("dp_shard") if "dp_shard" in names else 0
-    return replicate * layout.sizes["dp_shard"] + shard
+    names, index = layout.dims(), 0
+    for dim in DATA_PARALLEL_DIMS:
+        index = index * layout.sizes.get(dim, 1) + (layout.mesh.get_local_rank(dim) if dim in names else 0)
+    return index

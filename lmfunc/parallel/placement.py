@@ -1,7 +1,7 @@
 """What the model itself needs to know about layouts (no model imports, so layers can use it).
 
 ``gather(p)``: a parameter in its compute layout (FSDP shards all-gathered over the data-parallel
-dims; tensor-parallel shards kept). ``run_local(fn, ...)``: run a kernel that has no DTensor
+dims; tensor-parallel shards kept); ``gather_experts(p)`` keeps the expert-parallel split too. ``run_local(fn, ...)``: run a kernel that has no DTensor
 sharding rule (CPU attention) on each rank's local shards; every input must be split only along
 dims the kernel treats independently (batch, heads), so the local gradients are already the
 right shards. ``region(name)``: marks the graph nodes a model region traces (``embed``,
@@ -19,7 +19,10 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.experimental import local_map
 from torch.fx.traceback import annotate
 
-DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard", "ep")
+"""The mesh dims that split the batch (``ep`` among them: expert-parallel ranks are data-parallel
+ranks for everything but the experts)."""
+EP_DIM = "ep"
 REGION_KEY = "lmfunc_region"
 """Key of the region mark in a traced node's ``meta["custom"]``."""
 
@@ -33,17 +36,26 @@ def region(name: str):
         yield
 
 
-def compute_placements(placements: Sequence[Placement], mesh) -> list[Placement]:
-    """``placements`` with the data-parallel dims replicated: what a layer computes with."""
-    return [Replicate() if name in DATA_PARALLEL_DIMS else p for name, p in zip(mesh.mesh_dim_names, placements)]
+def compute_placements(placements: Sequence[Placement], mesh, keep: Sequence[str] = ()) -> list[Placement]:
+    """``placements`` with the data-parallel dims replicated (except those in ``keep``): what a
+    layer computes with."""
+    return [Replicate() if name in DATA_PARALLEL_DIMS and name not in keep else p
+            for name, p in zip(mesh.mesh_dim_names, placements)]
 
 
-def gather(p: torch.Tensor) -> torch.Tensor:
-    """A parameter in its compute layout: FSDP shards all-gathered; plain tensors unchanged."""
+def gather(p: torch.Tensor, keep: Sequence[str] = ()) -> torch.Tensor:
+    """A parameter in its compute layout: FSDP shards all-gathered (over the data-parallel dims not
+    in ``keep``); plain tensors unchanged."""
     if not isinstance(p, DTensor):
         return p
-    want = compute_placements(p.placements, p.device_mesh)
+    want = compute_placements(p.placements, p.device_mesh, keep)
     return p if list(p.placements) == want else p.redistribute(p.device_mesh, want)
+
+
+def gather_experts(p: torch.Tensor) -> torch.Tensor:
+    """Routed-expert weights ``[E, ...]`` in their compute layout: gathered over the
+    expert-data-parallel dims, each rank keeping its ``E / ep`` experts."""
+    return gather(p, keep=(EP_DIM,))
 
 
 def run_local(fn: Callable[..., torch.Tensor], *args):
@@ -60,12 +72,15 @@ def run_local(fn: Callable[..., torch.Tensor], *args):
 
 def run_on_tokens(fn: Callable, tokens: torch.Tensor, *args, per_token: int = 1, sums: int = 0):
     """``fn(tokens, *args)`` on each rank's own tokens, for a computation without DTensor sharding
-    rules (the MoE experts): ``tokens`` and every argument in its placements (per-token values)
-    as local shards, every other DTensor argument (a weight in its compute layout) whole, with a
-    gradient that is ``Partial`` over the mesh dims that split the tokens, since each rank's
-    tokens contribute their part. ``fn`` returns ``per_token`` tensors (in ``tokens``'
-    placements), then ``sums`` sums over the local tokens (``Partial`` over those dims, so they
-    are reduced where they are used). Plain tensors: ``fn(tokens, *args)``."""
+    rules (the MoE experts): ``tokens`` and every argument as local shards. A per-token argument
+    has ``tokens``' placements; a weight in its compute layout is whole except along dims it is
+    sharded on. Its gradient is ``Partial`` over the mesh dims that split the tokens and not the
+    weight, since each rank's tokens contribute their part; along a dim that splits both (the
+    experts over ``ep``) it stays a shard, so ``fn`` must itself bring every rank's tokens to the
+    shard they need (``lmfunc.parallel.expert_parallel``'s all-to-all). ``fn`` returns
+    ``per_token`` tensors (in ``tokens``' placements), then ``sums`` sums over the local tokens
+    (``Partial`` over the token-splitting dims, so they are reduced where they are used). Plain
+    tensors: ``fn(tokens, *args)``."""
     if not isinstance(tokens, DTensor):
         return fn(tokens, *args)
     placements = list(tokens.placements)
@@ -74,9 +89,7 @@ def run_on_tokens(fn: Callable, tokens: torch.Tensor, *args, per_token: int = 1,
     def grad_layout(a):
         if not isinstance(a, DTensor):
             return None
-        if list(a.placements) == placements:
-            return placements
-        return [Partial() if s else p for s, p in zip(split, a.placements)]
+        return [p if isinstance(p, Shard) else Partial() if s else p for s, p in zip(split, a.placements)]
 
     args = (tokens, *args)
     outputs = [placements] * per_token + [[Partial() if s else p for s, p in zip(split, placements)]] * sums

@@ -23,28 +23,36 @@ from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path
 
 Rules = Sequence[tuple[str, Sequence[str]]]
 
-FSDP_RULES: Rules = (("embed", ("dp_shard",)), ("mtp_concat", ("dp_shard",)))
-"""Parameters sharded over ``dp_shard`` along their hidden-size axis."""
+EP_RULES: Rules = (("experts", ("ep",)),)
+"""Expert parallelism: the routed experts split over ``ep``."""
+FSDP_RULES: Rules = (("embed", ("dp_shard", "ep")), ("mtp_concat", ("dp_shard", "ep")))
+"""Parameters sharded over the data-parallel shard dims along their hidden-size axis: ``dp_shard``
+and ``ep`` together (``ep`` is the inner factor of the data-parallel shard ranks), or ``dp_shard``
+alone for the experts, whose ``ep`` the ``EP_RULES`` claim first."""
 TP_RULES: Rules = (("heads", ("tp",)), ("kv_heads", ("tp",)), ("mlp", ("tp",)), ("vocab", ("tp",)))
 """Megatron's tensor parallelism: attention heads, MLP width and vocabulary split over ``tp``."""
-DEFAULT_RULES: Rules = TP_RULES + FSDP_RULES
+DEFAULT_RULES: Rules = EP_RULES + TP_RULES + FSDP_RULES
+COMPUTE_RULES: Rules = EP_RULES + TP_RULES
+"""The compute layout's rules (``lmfunc.parallel.placement.gather``): FSDP gathered, the experts
+still split over ``ep``."""
 
 
 def shard_axes(axes: Sequence[str], mesh_dim_names: Sequence[str], rules: Rules = DEFAULT_RULES) -> list[Optional[int]]:
     """For each mesh dim, the axis of a leaf with logical ``axes`` that it is sharded along (None:
-    replicated): the rules, in order, each claiming the first matching axis not yet sharded."""
+    replicated). The rules, in order: each takes the first axis named by it that no earlier rule
+    took, and shards it over every one of its mesh dims not yet used (several dims: nested, the
+    outer dim first, as one dim of their product would)."""
     names = tuple(mesh_dim_names)
     sharded: list[Optional[int]] = [None] * len(names)
     used_axes: set[int] = set()
     for logical, mesh_dims in rules:
-        for mesh_dim in mesh_dims:
-            if mesh_dim not in names or sharded[names.index(mesh_dim)] is not None:
-                continue
-            for i, axis in enumerate(axes):
-                if axis == logical and i not in used_axes:
-                    sharded[names.index(mesh_dim)] = i
-                    used_axes.add(i)
-                    break
+        free = [names.index(d) for d in mesh_dims if d in names and sharded[names.index(d)] is None]
+        axis = next((i for i, name in enumerate(axes) if name == logical and i not in used_axes), None)
+        if not free or axis is None:
+            continue
+        used_axes.add(axis)
+        for dim in free:
+            sharded[dim] = axis
     return sharded
 
 

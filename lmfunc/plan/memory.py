@@ -54,7 +54,7 @@ import torch
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
-from lmfunc.parallel.sharding import local_shape
+from lmfunc.parallel.sharding import COMPUTE_RULES, DEFAULT_RULES, local_shape
 from lmfunc.tree import flatten_with_paths
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -205,11 +205,11 @@ def cublas_workspace_bytes(device: str) -> tuple[int, Optional[str]]:
 
 def local_params(cfg: ModelConfig, sizes: dict[str, int], data_parallel_sharded: bool = True, prefix: str = "") -> int:
     """Parameter elements on the most-loaded rank of a mesh of ``sizes``: storage shards, or with
-    ``data_parallel_sharded=False`` the compute layout (FSDP shards gathered); only leaves whose
+    ``data_parallel_sharded=False`` the compute layout (FSDP shards gathered, the experts still
+    split over ``ep``); only leaves whose
     dotted name starts with ``prefix`` (e.g. 'layers.0.')."""
-    if not data_parallel_sharded:
-        sizes = {name: (1 if name in ("dp_shard", "dp_replicate") else size) for name, size in sizes.items()}
-    return sum(math.prod(local_shape(spec.shape, spec.axes, sizes))
+    rules = DEFAULT_RULES if data_parallel_sharded else COMPUTE_RULES
+    return sum(math.prod(local_shape(spec.shape, spec.axes, sizes, rules))
                for path, spec in flatten_with_paths(gpt.param_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
                if path.startswith(prefix))
 

@@ -68,6 +68,8 @@ def format_plan(plan: Plan) -> str:
     meg, a = plan.megatron, plan.megatron.args
     c = meg.counts
     layout = " x ".join(f"{name} {size}" for name, size in plan.sizes.items() if size > 1) or "1 process"
+    if plan.sizes.get("ep", 1) > 1:
+        layout += f" (parallel.dp_shard {plan.sizes.get('dp_shard', 1) * plan.sizes['ep']} factored into dp_shard x ep)"
     formula = "SP with selective recompute" if meg.sp_formula else "without SP (the one that applies unless SP + selective)"
     lines = [
         f"plan for {plan.world_size} process(es), layout {layout}; micro batch {a.micro_batch_size} x seq "
