@@ -92,3 +92,32 @@ def test_training_continues_on_another_layout(runs, name, nproc, flags, torchrun
     assert sorted(continued) == list(range(11, 21))
     for step, loss in continued.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+MOE_FLAGS = ["--model.num-experts", "4", "--model.moe-ffn-hidden-size", "32", "--model.moe-router-topk", "2",
+             "--model.moe-router-score-function", "sigmoid", "--model.moe-router-enable-expert-bias",
+             "--model.moe-aux-loss-coeff", "0.01"]
+
+
+@pytest.mark.slow  # 35 s of four torchrun jobs; the dp_shard SIGTERM resume above is the default tier's
+def test_an_expert_parallel_checkpoint_resumes_exactly_and_loads_on_one_process(tmp_path, torchrun):
+    """An MoE run on dp_shard 2 x ep 2 (each rank holds 2 of the 4 experts; the other leaves FSDP
+    over both ranks): resumed from its step-3 checkpoint it gives the same losses, bit for bit;
+    the step-6 state loaded on one process equals the same state loaded on the ep layout."""
+    args = COMMON + MOE_FLAGS + ["--run.out-dir", str(tmp_path), "--data.cache-dir", str(tmp_path / "cache"),
+                                 "--parallel.dp-shard", "2", "--parallel.ep", "2", "--run.train-iters", "6",
+                                 "--checkpoint.save-interval", "3"]
+    torchrun(2, args + ["--run.name", "ep"])
+    torchrun(2, args + ["--run.name", "resumed", "--checkpoint.load", str(tmp_path / "ep" / "checkpoints"),
+                        "--checkpoint.load-step", "3"])
+    straight, resumed = _losses(tmp_path / "ep"), _losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == straight[s] for s in resumed), (straight, resumed)
+
+    step_dir = str(tmp_path / "ep" / "checkpoints" / "iter_0000006")
+    torchrun(1, ["tests/checkpoint_worker.py", step_dir, "single", str(tmp_path / "single.pt")])
+    torchrun(2, ["tests/checkpoint_worker.py", step_dir, "dp_shard=2,ep=2", str(tmp_path / "ep.pt")])
+    want, got = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "ep.pt")
+    assert list(got) == list(want) and "params.layers.0.mlp.experts.w_gate" in got
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert float(want["params.layers.0.mlp.router.expert_bias"].abs().sum()) > 0  # the bias moved and was saved
