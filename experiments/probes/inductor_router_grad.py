@@ -1,12 +1,12 @@
 """The Inductor scheduling bug that dropped part of the MoE router's gradient (torch 2.13, CPU;
 experiments/LOG.md, 2026-11-27 "expert parallelism; an Inductor scheduling bug").
 
-A router as lmfunc wrote it before ``moe.take``: fp32 sigmoid scores, the top-k *values* as the
+A router as lmfunc wrote it before ``router.take``: fp32 sigmoid scores, the top-k *values* as the
 routing weights, SwiGLU experts, and the load-balancing loss over the same logits attached with
 ``attach_aux_loss``. Compiled by Inductor, the router weight's gradient differs from eager's: a
 kernel reads the top-k backward's zero-filled gradient buffer before the kernel that scatters
 into it runs. ``python -m experiments.probes.inductor_router_grad`` prints the relative error per
-backend (a correct compile: ~1e-7, the fp32 routing); ``--take`` uses ``moe.take`` for the weights.
+backend (a correct compile: ~1e-7, the fp32 routing); ``--take`` uses ``router.take`` for the weights.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lmfunc.grad import attach_aux_loss, value_and_grad
-from lmfunc.model import moe
+from lmfunc.model import router
 
 
 def main(take: bool) -> None:
@@ -34,14 +34,14 @@ def main(take: bool) -> None:
         scores = torch.sigmoid(logits.float())
         if take:
             chosen = scores.detach().topk(topk, dim=-1).indices
-            weights = moe.take(scores, chosen)
+            weights = router.take(scores, chosen)
         else:
             weights, chosen = scores.topk(topk, dim=-1)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         dense = torch.stack([F.silu(x @ w_gate[e]) * (x @ w_up[e]) @ w_down[e] for e in range(experts)], 1)
         out = (dense.gather(1, chosen[:, :, None].expand(tokens, topk, hidden)) * weights[:, :, None].double()).sum(1)
-        aux_scores, routed = moe.aux_loss_scores(logits, topk, "sigmoid")
-        balance = moe.balancing_loss_of_sums(aux_scores.sum(0), routed.float().sum(0), tokens, topk, 1.0)
+        aux_scores, routed = router.aux_loss_scores(logits, topk, "sigmoid")
+        balance = router.balancing_loss_of_sums(aux_scores.sum(0), routed.float().sum(0), tokens, topk, 1.0)
         out = attach_aux_loss(out, balance * 0.1, torch.tensor(0.37, dtype=torch.float64))
         return (out * cotangent).sum()
 

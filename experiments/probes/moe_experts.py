@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from lmfunc.model import moe
+from lmfunc.model import moe, router
 
 
 def _sync(device: torch.device) -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     weights32 = [(torch.randn(shape, generator=g) / shape[1] ** 0.5).to(device)
                  for shape in ((args.experts, args.hidden, args.ffn), (args.experts, args.hidden, args.ffn),
                                (args.experts, args.ffn, args.hidden))]
-    routing = moe.route(logits, args.topk)
+    routing = router.route(logits, args.topk)
     reference = moe.experts_dropless(x32, routing, *weights32)
     print(f"{device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''} torch {torch.__version__}; "
           f"T {args.tokens} h {args.hidden} f {args.ffn} E {args.experts} k {args.topk}")
