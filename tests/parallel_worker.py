@@ -74,10 +74,11 @@ def main() -> None:
 
     reference = TrainState.create(model.init(cfg, seed=0), tx, loss_scale=scaling)
     reference_step = make_train_step(cfg, tx, compile=False, **precision)
-    reference_losses = []
+    reference_losses, reference_norms = [], []
     for batch in batches:
         reference, metrics = reference_step(reference, batch)
         reference_losses.append(float(metrics["loss"]))
+        reference_norms.append(float(metrics["grad_norm"]))
 
     params = init_params(cfg, layout.mesh, seed=0)
     init_error = relative_errors(full_tensors(params), model.init(cfg, seed=0))
@@ -85,12 +86,13 @@ def main() -> None:
     state = TrainState.create(params, tx, loss_scale=scaling)
     dp, rank = layout.data_parallel_size, data_parallel_rank(layout)
     torch._dynamo.utils.counters.clear()
-    losses = []
+    losses, grad_norms = [], []
     for batch in batches:
         per = batch["tokens"].shape[1] // dp
         local = {k: v[:, rank * per:(rank + 1) * per].contiguous() for k, v in batch.items()}
         state, metrics = step(state, local_batch_to_dtensor(local, layout.mesh))
         losses.append(float(metrics["loss"]))
+        grad_norms.append(float(metrics["grad_norm"]))
     one_step = lambda: step(state, local_batch_to_dtensor(local, layout.mesh))  # noqa: E731
     collectives, elements = step_collectives(one_step) if compiled else (None, None)
     final = full_tensors(state.params)
@@ -102,6 +104,7 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump({
                 "losses": losses, "reference_losses": reference_losses, "init_error": init_error,
+                "grad_norms": grad_norms, "reference_grad_norms": reference_norms,
                 "final_error": final_error, "moment_error": relative_errors(moments, reference.opt_state[0].mu),
                 "total_final_error": total_error(final, reference.params),
                 "total_moment_error": total_error(moments, reference.opt_state[0].mu),

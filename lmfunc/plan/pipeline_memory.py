@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from lmfunc.config.parallel import data_parallel_size
 from lmfunc.config.pipeline import PipelineSplit, pipeline_split
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
@@ -78,7 +79,7 @@ def predict_pipeline_rank(cfg: TrainConfig, sizes: dict[str, int], rank: int) ->
     p, m = cfg.parallel, cfg.model
     split = pipeline_split(m.num_layers, sizes["pp"], p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
                            p.pp_last_stage_layers)
-    data_parallel = sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1)
+    data_parallel = data_parallel_size(sizes)
     microbatches = cfg.run.global_batch_size // (cfg.run.micro_batch_size * data_parallel)
     chunks = chunks_in_flight(p.pp_schedule, split, microbatches, rank)
     if chunks is None:

@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from lmfunc.config.parallel import data_parallel_size as config_data_parallel_size
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSplit, check_schedule_model
 from lmfunc.compiler.compiling import compile_settings, compile_step, retained_backward_settings
@@ -201,8 +202,7 @@ def data_parallel_size(data_mesh: Optional[DeviceMesh]) -> int:
     """How many data-parallel parts a batch has on ``data_mesh`` (1 without one)."""
     if data_mesh is None:
         return 1
-    sizes = dict(zip(data_mesh.mesh_dim_names, data_mesh.mesh.shape))
-    return int(sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1))
+    return int(config_data_parallel_size(dict(zip(data_mesh.mesh_dim_names, data_mesh.mesh.shape))))
 
 
 def _token_count(batch: Batch, data_mesh: Optional[DeviceMesh]) -> torch.Tensor:
