@@ -76,13 +76,15 @@ def route(logits: torch.Tensor, topk: int, score_function: ScoreFunction = "soft
     """
     logits = logits.float()
 
-    def top(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chosen experts of ``scores`` and their values, which ``take`` reads (no gradient
-        flows through the top-k itself)."""
+    def choose(scores: torch.Tensor) -> torch.Tensor:
+        """The chosen experts ``[T, k]`` of ``scores`` (no gradient flows through the top-k)."""
         if group_topk:
-            experts = group_limited_topk(scores.detach(), topk, num_groups, group_topk)[1]
-        else:
-            experts = scores.detach().topk(topk, dim=-1).indices
+            return group_limited_topk(scores.detach(), topk, num_groups, group_topk)[1]
+        return scores.detach().topk(topk, dim=-1).indices
+
+    def top(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts of ``scores`` and their values (``take``)."""
+        experts = choose(scores)
         return take(scores, experts), experts
 
     if score_function == "softmax":
@@ -96,7 +98,7 @@ def route(logits: torch.Tensor, topk: int, score_function: ScoreFunction = "soft
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits)
         if expert_bias is not None:
-            experts = top(scores + expert_bias.float())[1]
+            experts = choose(scores + expert_bias.float())
             weights = take(scores, experts)
         else:
             weights, experts = top(scores)
