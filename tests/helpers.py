@@ -11,6 +11,26 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+MOE_SETTINGS = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1),
+                    moe_shared_expert_intermediate_size=32, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
+"""The multi-rank workers' MoE (``--moe``): every second layer an MoE layer with sigmoid routing, the
+expert bias, a shared expert and two router losses."""
+MLA_SETTINGS = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16,
+                    qk_pos_emb_head_dim=8, v_head_dim=16)
+"""The multi-rank workers' MLA (``--mla``)."""
+
+
+def model_flags(argv: list[str], num_layers: int = 2) -> dict:
+    """The ``ModelConfig`` fields of a worker's ``--moe`` and ``--mla`` flags in ``argv`` for a model of
+    ``num_layers`` (even) layers: with ``--moe`` every second one an MoE layer, balanced by the
+    sequence-level loss instead of the batch-level one with ``--seq-aux``."""
+    moe = {**MOE_SETTINGS, "moe_layer_freq": (0, 1) * (num_layers // 2)} if "--moe" in argv else {}
+    if moe and "--seq-aux" in argv:
+        moe["moe_router_load_balancing_type"] = "seq_aux_loss"
+    return {**moe, **(MLA_SETTINGS if "--mla" in argv else {})}
+
+
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:
     """``torchrun --standalone --nproc-per-node nproc ARGS`` (gloo on CPU)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]

@@ -33,14 +33,7 @@ from lmfunc.train.params import init_params
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import flatten_with_paths
 from lmfunc.train.__main__ import exit_without_finalizing
-from tests.helpers import lm_batch
-
-
-MOE_SETTINGS = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1),
-                    moe_shared_expert_intermediate_size=32, moe_router_score_function="sigmoid",
-                    moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
-MLA_SETTINGS = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16,
-                    qk_pos_emb_head_dim=8, v_head_dim=16)
+from tests.helpers import MLA_SETTINGS, MOE_SETTINGS, lm_batch
 
 
 def relative_errors(a, b) -> float:

@@ -6,13 +6,17 @@ the same names and live in the tensors it started with (donated), and that the
 pipeline's forward-only evaluation (``make_pipeline_eval_step``) gives the one-process
 ``make_eval_step``'s loss before the first step and after the last.
 
-``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16 [COMPILE [RECOMPUTE [DP_SHARD TP SP [CP]]]]``:
+``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16 [COMPILE [RECOMPUTE [DP_SHARD TP SP [CP]]]] [--moe]
+[--mla] [--ep=N]``:
 VIRTUAL 0 for none; MTP, TIE, FP16, COMPILE (the stages and the update compiled) and RECOMPUTE (full
 recompute and the output layer in chunks of 8 tokens) 0/1, the last two 0 by default. DP_SHARD, TP
 and CP (default 1) put the pipeline on a mesh ``pp x dp_shard x cp x tp`` (pp = world / (DP_SHARD x
 CP x TP)): the state is DTensors sharded by lmfunc's rules on each pipeline rank, each data-parallel
 rank takes its part of every microbatch (the step splits each sequence over cp), and SP 1 turns on
-sequence parallelism. The reference is then the same
+sequence parallelism. ``--moe`` and ``--mla`` (``tests.helpers.model_flags``) make every second
+layer (and the MTP layer) an MoE layer and the attention MLA: the router losses join each stage's
+backward, and the router metrics and expert biases must match too; ``--ep=N`` splits the experts
+over N of the DP_SHARD ranks. The reference is then the same
 layout without the pipeline (``make_train_step`` over DTensors on the ``dp_shard x tp`` mesh): on
 this 8-layer model with dropout that layout itself differs from one process by up to 4.3e-5 (tp 2) and
 1.4e-5 (dp_shard 2) in one Adam moment after five steps (measured), while the losses still agree to
@@ -38,7 +42,7 @@ from lmfunc.train import TrainState, make_eval_step, make_train_step
 from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.model.stages import rank_params
 from lmfunc.tree import flatten_with_paths, tree_map, tree_unflatten_as
-from tests.helpers import lm_batch
+from tests.helpers import lm_batch, model_flags
 
 STEPS, MICROBATCHES = 5, 4
 FP32_TOLERANCE = {"metrics": 1e-5, "leaves": 1e-5}
@@ -62,24 +66,28 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    schedule, virtual, mtp, tie, fp16 = sys.argv[1], int(sys.argv[2]) or None, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-    compiled = len(sys.argv) > 6 and bool(int(sys.argv[6]))
-    recompute = len(sys.argv) > 7 and bool(int(sys.argv[7]))
-    dp, tp, sp = (int(a) for a in sys.argv[8:11]) if len(sys.argv) > 8 else (1, 1, 0)
-    cp = int(sys.argv[11]) if len(sys.argv) > 11 else 1
+    flags = [a for a in sys.argv[1:] if a.startswith("--")]
+    argv = [sys.argv[0], *(a for a in sys.argv[1:] if not a.startswith("--"))]
+    schedule, virtual, mtp, tie, fp16 = argv[1], int(argv[2]) or None, int(argv[3]), int(argv[4]), int(argv[5])
+    compiled = len(argv) > 6 and bool(int(argv[6]))
+    recompute = len(argv) > 7 and bool(int(argv[7]))
+    dp, tp, sp = (int(a) for a in argv[8:11]) if len(argv) > 8 else (1, 1, 0)
+    cp = int(argv[11]) if len(argv) > 11 else 1
     dist.init_process_group("gloo")
     pp = dist.get_world_size() // (dp * cp * tp)
-    sizes = {name: size for name, size in (("pp", pp), ("dp_shard", dp), ("cp", cp), ("tp", tp))
+    ep = next((int(a.split("=")[1]) for a in flags if a.startswith("--ep=")), 1)
+    sizes = {name: size for name, size in (("pp", pp), ("dp_shard", dp // ep), ("ep", ep), ("cp", cp), ("tp", tp))
              if size > 1 or name == "pp"}
     mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes)) if dp * cp * tp > 1 else None
     data_mesh = mesh[tuple(sizes)[1:]] if mesh is not None else None
     rank = mesh.get_local_rank("pp") if mesh is not None else dist.get_rank()
-    dp_rank = mesh.get_local_rank("dp_shard") if dp > 1 else 0
+    dp_rank = ((mesh.get_local_rank("dp_shard") if dp > ep else 0) * ep
+               + (mesh.get_local_rank("ep") if ep > 1 else 0))
     split = pipeline_split(8, pp=pp, schedule=schedule, virtual_stages=virtual)
     check_microbatches(schedule, split, MICROBATCHES)
     extras = {"recompute_granularity": "full", "cross_entropy_chunk_tokens": 8} if recompute else {}
     cfg = dataclasses.replace(model_preset("tiny", num_layers=8, **extras), tie_embeddings=bool(tie), mtp_num_layers=mtp,
-                              hidden_dropout=0.1, sequence_parallel=bool(sp))
+                              hidden_dropout=0.1, sequence_parallel=bool(sp), **model_flags(flags, num_layers=8))
     params = model.init(cfg, seed=0)
     tx = adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     scaling = LossScaleConfig(initial_scale=2.0**15) if fp16 else None
@@ -124,8 +132,11 @@ def main() -> None:
         whole, expected = reference(whole, batch if data_mesh is None else
                                     local_batch_to_dtensor(local(batch), data_mesh))
         mine, got = piped(mine, local(batch))
+        assert got.keys() >= expected.keys(), f"rank {rank}: metrics {sorted(expected.keys() - got.keys())} missing"
         for key, value in expected.items():
-            worst = max(worst, abs(float(got[key]) - float(value)) / max(abs(float(value)), 1e-12))
+            value = value.full_tensor() if hasattr(value, "full_tensor") else torch.as_tensor(value)
+            difference = float((torch.as_tensor(got[key]) - value).abs().max())
+            worst = max(worst, difference / max(float(value.abs().max()), 1e-12))
     worst = max(worst, eval_error())
     assert worst < tolerance["metrics"], f"rank {rank}: metrics or eval losses differ by rel {worst:.2e}"
     reference_leaves = dict(flatten_with_paths(full_tensors((whole.params, whole.opt_state))))

@@ -103,25 +103,34 @@ def test_context_parallel_runs_are_validated_with_the_field_and_value():
         cfg(ParallelConfig(cp=2), attention_dropout=0.1).validate(2)
 
 
-@pytest.mark.parametrize("mesh, mtp, docs, compiled, recompute", [
-    ("1 2 1 0", 0, 1, 0, "none"),
-    ("1 2 1 0", 1, 1, 0, "none"),
-    ("1 2 1 0", 0, 1, 0, "full"),
-    pytest.param("1 2 1 0", 0, 0, 1, "none", marks=pytest.mark.slow),
-    pytest.param("1 2 1 0", 0, 1, 1, "selective", marks=pytest.mark.slow),
-    pytest.param("1 4 1 0", 0, 1, 0, "none", marks=pytest.mark.slow),
-    pytest.param("2 2 1 0", 1, 1, 0, "none", marks=pytest.mark.slow),
-    pytest.param("1 2 2 1", 0, 1, 0, "none", marks=pytest.mark.slow),
-    pytest.param("1 2 2 0", 0, 1, 0, "none", marks=pytest.mark.slow),
+@pytest.mark.parametrize("mesh, mtp, docs, compiled, recompute, flags", [
+    ("1 2 1 0", 0, 1, 0, "none", ""),
+    ("1 2 1 0", 1, 1, 0, "none", ""),
+    ("1 2 1 0", 0, 1, 0, "full", ""),
+    ("1 2 1 0", 1, 1, 0, "none", "--moe --mla --seq-aux"),
+    pytest.param("1 2 1 0", 0, 0, 1, "none", "", marks=pytest.mark.slow),
+    pytest.param("1 2 1 0", 0, 1, 1, "selective", "", marks=pytest.mark.slow),
+    pytest.param("1 4 1 0", 0, 1, 0, "none", "", marks=pytest.mark.slow),
+    pytest.param("2 2 1 0", 1, 1, 0, "none", "", marks=pytest.mark.slow),
+    pytest.param("1 2 2 1", 0, 1, 0, "none", "", marks=pytest.mark.slow),
+    pytest.param("1 2 2 0", 0, 1, 0, "none", "", marks=pytest.mark.slow),
+    pytest.param("2 2 1 0", 1, 1, 0, "none", "--moe --mla --ep=2", marks=pytest.mark.slow),
+    pytest.param("1 2 2 1", 0, 1, 0, "none", "--moe --mla", marks=pytest.mark.slow),
+    pytest.param("1 2 1 0", 0, 1, 1, "none", "--moe --mla", marks=pytest.mark.slow),
 ])
-def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compiled, recompute):
+def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compiled, recompute, flags):
     """``DP_SHARD CP TP SP``: the one-process losses (rel 1e-5) and final params and Adam moments
     (rel L2 1e-5; compiled 2e-4) after five steps (``tests/context_worker.py``), with the split
-    run's layers or attention cores recomputed as ``recompute`` says."""
+    run's layers or attention cores recomputed as ``recompute`` says. ``flags``: the second layer
+    (and the MTP layer) an MoE layer, every token routed on the rank that holds it, the router losses
+    (``--seq-aux``: the sequence-level balance loss, whose per-sequence sums add up over cp) and
+    loads summed over the whole batch, the expert bias moved by them, all compared with one process
+    through the router metrics; MLA attention over keys gathered across cp; ``--ep=2`` the experts
+    split over 2 data-parallel ranks beside cp."""
     from tests.helpers import run_torchrun
 
     sizes = [int(s) for s in mesh.split()[:3]]
     nproc = sizes[0] * sizes[1] * sizes[2]
     proc = run_torchrun(nproc, ["-m", "tests.context_worker", *mesh.split(), str(mtp), str(docs), str(compiled),
-                                recompute])
+                                recompute, *flags.split()])
     assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]

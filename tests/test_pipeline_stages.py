@@ -62,6 +62,8 @@ def test_the_stages_composed_are_the_model(schedule, pp, virtual, first, last):
     seed = torch.tensor(7)
     x = tokens
     for stage in range(split.num_stages):
-        x = stage_forward(stage_params(params, cfg, split, stage), x, cfg, split, stage, positions, doc_ids, seed)
+        x, stats = stage_forward(stage_params(params, cfg, split, stage), x, cfg, split, stage, positions, doc_ids,
+                                 seed)
+        assert stats == []
     expected = model.forward(params, tokens, cfg, positions=positions, doc_ids=doc_ids, dropout_seed=seed)
     assert torch.equal(x, expected)

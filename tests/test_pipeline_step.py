@@ -7,7 +7,8 @@ a transposed view, is summed with the first stage's correctly over the embedding
 compiles the stages and the update; ``recompute`` turns on full recompute and a chunked output
 layer; ``mesh`` ("DP_SHARD TP SP [CP]") puts the pipeline beside dp_shard, tp and/or cp (pp 2 x 2 on 4
 ranks, pp 2 x 2 x 2 on 8), where the reference is the same layout without the pipeline; with cp the
-step splits every sequence over cp in load-balanced order."""
+step splits every sequence over cp in load-balanced order. The MoE and MLA cases run the same worker
+with ``--moe --mla``."""
 
 import pytest
 
@@ -47,4 +48,25 @@ from tests.helpers import run_torchrun
 def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute, mesh):
     proc = run_torchrun(nproc, ["-m", "tests.pipeline_worker", schedule, str(virtual), str(mtp), str(tie), str(fp16),
                                 str(compiled), str(recompute), *mesh.split()])
+    assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("nproc, args", [
+    (2, "1f1b 0 1 0 0 0 0"),
+    pytest.param(2, "zero-bubble 2 0 0 0 0 0", marks=pytest.mark.slow),
+    pytest.param(2, "interleaved-1f1b 2 1 0 0 0 0", marks=pytest.mark.slow),
+    pytest.param(2, "gpipe 0 1 1 0 1 0", marks=pytest.mark.slow),
+    pytest.param(4, "1f1b 0 1 0 0 0 0 2 1 0 --ep=2", marks=pytest.mark.slow),
+    pytest.param(4, "1f1b 0 1 1 0 0 0 1 1 0 2", marks=pytest.mark.slow),
+    pytest.param(4, "gpipe 0 1 1 0 0 0 1 2 1", marks=pytest.mark.slow),
+])
+def test_moe_and_mla_stages_train_like_one_process(nproc, args):
+    """An 8-layer model with MLA attention, every second layer (and the MTP layer) an MoE layer
+    (``tests.helpers.MOE_SETTINGS``: router losses, the expert bias, a shared expert), split over
+    pipeline stages: each stage's router losses join its backward, and every stage's router
+    statistics are summed over the pipeline, so the losses, grad norms, router metrics, expert
+    biases, params and Adam moments are the one-process step's, as above. Slow cases: a split
+    backward, virtual stages, compiled stages, and pp beside ep (the experts split over 2 data-parallel
+    ranks), cp and tp with sequence parallelism."""
+    proc = run_torchrun(nproc, ["-m", "tests.pipeline_worker", *args.split(), "--moe", "--mla"])
     assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]

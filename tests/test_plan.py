@@ -141,8 +141,29 @@ def test_moe_counts_and_flops():
     assert plan_of(full).unpredicted == ["model.num_experts = 4 with full recompute"]
     swiglu.validate(1)
     swiglu.replace(parallel=ParallelConfig(dp_shard=2)).validate(2)
-    with pytest.raises(ConfigError, match=r"model\.num_experts = 4 \(MoE\) with parallel\.pp = 2"):
-        swiglu.replace(parallel=ParallelConfig(pp=2)).validate(2)
+    for layout in (ParallelConfig(pp=2), ParallelConfig(cp=2), ParallelConfig(dp_shard=2, ep=2)):
+        plan = plan_of(swiglu.replace(parallel=layout).validate(2), 2)
+        assert plan.untrainable == [] and plan.lmfunc is not None, layout
+
+
+def test_a_pipeline_stage_keeps_its_moe_layers_values():
+    """pp 2, gpipe, 2 microbatches of 4 layers, the last two MoE layers: each chunk in flight keeps
+    its stage's layers' values (MoE layers their experts', ``layer_kept_bytes(moe=True)``) and its
+    boundary hidden states; the compute copy keeps the experts split over ep."""
+    from lmfunc.plan.pipeline_memory import predict_pipeline_rank
+
+    m = dataclasses.replace(WORKED.model, num_layers=4, activation="swiglu", num_experts=4, moe_ffn_hidden_size=128,
+                            moe_router_topk=2, moe_layer_freq=(0, 0, 1, 1))
+    cfg = WORKED.replace(model=m, parallel=ParallelConfig(pp=2, pp_schedule="gpipe"),
+                         run=RunConfig(micro_batch_size=2, global_batch_size=4))
+    dense, routed = layer_kept_bytes(cfg, 1, "none"), layer_kept_bytes(cfg, 1, "none", moe=True)
+    assert routed != dense
+    boundary = 2 * 2 * 128 * 64 * 4
+    first, last = (predict_pipeline_rank(cfg, {"pp": 2}, rank) for rank in (0, 1))
+    assert first.activations == 2 * (2 * dense + boundary) and last.activations == 2 * (2 * routed + boundary)
+    expert_parallel = predict_pipeline_rank(cfg, {"pp": 2, "dp_shard": 1, "ep": 2}, 1)
+    experts = 2 * 3 * 4 * 64 * 128  # two layers' w_gate, w_up and w_out, [4, 64, 128] each
+    assert expert_parallel.compute_copies == 4 * (last.params - experts // 2)
 
 
 def test_moe_layers_keep_their_experts_values_in_place_of_the_mlps():

@@ -33,8 +33,10 @@ MiB = 2**20
 
 
 def world_size(spec: dict) -> int:
-    """The processes a case's ``parallel`` section asks for (the product of its sizes; 1 without)."""
-    return math.prod(int(size) for size in (spec.get("parallel") or {}).values() if isinstance(size, int) and size > 1)
+    """The processes a case's ``parallel`` section asks for (the product of its sizes but ``ep``, whose
+    ranks are some of ``dp_shard``'s; 1 without)."""
+    return math.prod(int(size) for name, size in (spec.get("parallel") or {}).items()
+                     if name != "ep" and isinstance(size, int) and size > 1)
 
 
 def case_configs(config: Path) -> dict:

@@ -157,18 +157,9 @@ def _validate_context_parallel(cfg: TrainConfig) -> None:
 
 def untrainable_features(cfg: TrainConfig, world_size: int = 1) -> list[str]:
     """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet on
-    ``world_size`` processes, each named with its value (empty when the run is trainable)."""
-    p, m = cfg.parallel, cfg.model
-    found = unbuildable_features(m)
-    if m.num_experts is None and not m.multi_latent_attention:
-        return found
-    sizes = p.sizes(world_size)
-    for name, feature, on in (("MoE", f"model.num_experts = {m.num_experts}", m.num_experts is not None),
-                              ("MLA", "model.multi_latent_attention", m.multi_latent_attention)):
-        for dim in ("pp", "cp"):
-            if on and sizes[dim] > 1:
-                found.append(f"{feature} ({name}) with parallel.{dim} = {sizes[dim]}")
-    return found
+    ``world_size`` processes, each named with its value (empty when the run is trainable): the MoE
+    and MLA settings the model does not build; every parallel layout trains."""
+    return unbuildable_features(cfg.model)
 
 
 def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False) -> None:
@@ -179,8 +170,7 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     if not planning:
         missing = untrainable_features(cfg, world_size)
         _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
-                              "lmfunc.plan plans such runs); dp_replicate, dp_shard, cp, tp and pp are, and MoE and MLA "
-                              "beside dp_replicate, dp_shard, ep and tp")
+                              "lmfunc.plan plans such runs)")
     if cfg.parallel.cp > 1:
         _validate_context_parallel(cfg)
     _require(not cfg.model.scan_layers or world_size == 1,

@@ -142,7 +142,8 @@ def lm_loss(
     """
     decoded = model.gpt.decoder(params, batch["tokens"], cfg, positions=batch.get("position_ids"),
                                 doc_ids=batch.get("doc_ids"), dropout_seed=dropout_seed,
-                                aux_grad_scale=router_grad_scale(batch, grad_scale, calculate_per_token_loss))
+                                aux_grad_scale=router_grad_scale(batch["tokens"].numel(), grad_scale,
+                                                                 calculate_per_token_loss))
     out = lm_loss_of_hidden(params, decoded.hidden, batch, cfg, dropout_seed, grad_scale, calculate_per_token_loss)
     if not decoded.router_stats:
         return out
@@ -157,16 +158,16 @@ def stacked_router_stats(stats: list[RouterStats]) -> RouterStats:
     return RouterStats(*(torch.stack(field) for field in zip(*stats)))
 
 
-def router_grad_scale(batch: Mapping[str, torch.Tensor], grad_scale: Optional[torch.Tensor],
+def router_grad_scale(microbatch_tokens: int, grad_scale: Optional[torch.Tensor],
                       calculate_per_token_loss: bool) -> Optional[torch.Tensor]:
     """The gradient of one unit of a microbatch's router loss, given ``grad_scale`` (the step's
-    gradient of one unit of its main loss): the same, times the microbatch's B * S tokens with
-    ``calculate_per_token_loss`` (where ``grad_scale`` holds 1 / the batch's loss tokens). Megatron
-    does the same, so the router losses weigh as the mean over microbatches and data-parallel ranks
-    of each microbatch's loss either way."""
+    gradient of one unit of its main loss): the same, times the microbatch's B * S tokens
+    (``microbatch_tokens``, over all ranks) with ``calculate_per_token_loss`` (where ``grad_scale``
+    holds 1 / the batch's loss tokens). Megatron does the same, so the router losses weigh as the
+    mean over microbatches and data-parallel ranks of each microbatch's loss either way."""
     if grad_scale is None or not calculate_per_token_loss:
         return grad_scale
-    return grad_scale * batch["tokens"].numel()
+    return grad_scale * microbatch_tokens
 
 
 def lm_loss_of_hidden(
@@ -196,7 +197,8 @@ def lm_loss_of_hidden(
         if calculate_per_token_loss:
             aux_grad = aux_grad * main_count
         depth_hidden, router_stats = mtp.forward(params, hidden, tokens, cfg, positions, doc_ids, dropout_seed,
-                                                 router_grad_scale(batch, grad_scale, calculate_per_token_loss))
+                                                 router_grad_scale(batch["tokens"].numel(), grad_scale,
+                                                                   calculate_per_token_loss))
         for h in depth_hidden:
             depth_labels, depth_mask = mtp.roll_left(depth_labels), mtp.roll_left(depth_mask)
             depth_hint = aux_grad / torch.clamp(depth_mask.sum(), min=1.0)

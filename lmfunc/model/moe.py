@@ -32,11 +32,12 @@ from lmfunc.config import ModelConfig
 from lmfunc.grad import attach_aux_loss
 from lmfunc.model import layers
 from lmfunc.model.router import (ROUTER_LOSSES, Routing, aux_loss_scores, balancing_loss_of_sums, route,
-                                 router_z_loss, sequence_load_balancing_loss, tokens_per_expert,
+                                 router_z_loss, sequence_balancing_loss_of_sums, tokens_per_expert,
                                  updated_expert_bias)
 from lmfunc.parallel.expert_parallel import (ExpertGroup, combine_slots, combine_sorted, dispatch_slots,
                                               dispatch_sorted, expert_group)
-from lmfunc.parallel.placement import gather, gather_experts, replicated, run_on_tokens
+from lmfunc.parallel.placement import (gather, gather_experts, replicated, rows_as_tokens, run_on_tokens,
+                                       tokens_as_rows)
 
 DropPolicy = Literal["probs", "position"]
 
@@ -202,12 +203,15 @@ def moe_mlp(p: dict, x: torch.Tensor, cfg: ModelConfig,
     or with ``moe_expert_capacity_factor``'s capacity over the microbatch's tokens on this rank, as
     Megatron's, and ``moe_token_drop_policy``), plus the shared experts. On a mesh with an ``ep`` dim
     each rank runs its ``E / ep`` experts on the pairs every rank routes to them
-    (``lmfunc.parallel.expert_parallel``). With ``aux_grad_scale`` the weighted router
+    (``lmfunc.parallel.expert_parallel``). On a mesh every rank routes its own tokens (its part of
+    the batch and, over ``cp``, of each sequence: ``tokens_as_rows``); the router losses are made of
+    sums over all of them. With ``aux_grad_scale`` the weighted router
     losses (``router_loss_weights``) receive that gradient; returns the output and ``RouterStats``."""
     batch, seq, hidden = x.shape
-    flat = x.reshape(batch * seq, hidden)
+    flat = tokens_as_rows(x)
     router = p["router"]
-    logits = flat @ gather(router["weight"])
+    sequence_logits = x @ gather(router["weight"])
+    logits = tokens_as_rows(sequence_logits)
     bias = router.get("expert_bias")
     routing = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
                     None if bias is None else gather(bias), cfg.moe_router_num_groups, cfg.moe_router_group_topk,
@@ -225,20 +229,23 @@ def moe_mlp(p: dict, x: torch.Tensor, cfg: ModelConfig,
             return experts_with_capacity(t, Routing(w, e), *ws, capacity, cfg.moe_token_drop_policy, ep=ep)
 
         out, keep = run_on_tokens(capped, flat, routing.weights, routing.experts, *weights, per_token=2)
-    if "shared_experts" in p:
-        out = out + layers.mlp(p["shared_experts"], flat, cfg)
-    def loss_sums(t: torch.Tensor):
-        """Sums over one rank's tokens (or sequences) that the router losses are made of."""
-        scores, chosen = aux_loss_scores(t, cfg.moe_router_topk, cfg.moe_router_score_function)
-        sequences = t.shape[0] // seq
-        per_sequence = sequence_load_balancing_loss(scores.view(sequences, seq, -1), chosen.view(sequences, seq, -1),
-                                                    cfg.moe_router_topk, 1.0)
-        return (scores.sum(dim=0), chosen.float().sum(dim=0), per_sequence * sequences,
-                router_z_loss(t, 1.0) * t.shape[0])
 
-    score_sums, choices, sequence_sum, z_sum = map(replicated, run_on_tokens(loss_sums, logits, per_token=0, sums=4))
-    losses = torch.stack([balancing_loss_of_sums(score_sums, choices, flat.shape[0], cfg.moe_router_topk, 1.0),
-                          sequence_sum / batch, z_sum / flat.shape[0]])
+    def loss_sums(t: torch.Tensor):
+        """Sums over one rank's tokens ``t`` ``[b, s, E]`` (its part of the batch and of each
+        sequence) that the router losses are made of: every expert's scores and choices, in all
+        and per sequence, and the squared logsumexps."""
+        scores, chosen = aux_loss_scores(t.reshape(-1, num_experts), cfg.moe_router_topk,
+                                         cfg.moe_router_score_function)
+        scores, chosen = scores.view(t.shape), chosen.view(t.shape).float()
+        z_sum = router_z_loss(t.reshape(-1, num_experts), 1.0) * (t.shape[0] * t.shape[1])
+        return scores.sum(dim=(0, 1)), chosen.sum(dim=(0, 1)), z_sum, scores.sum(dim=1), chosen.sum(dim=1)
+
+    sums = run_on_tokens(loss_sums, sequence_logits, per_token=0, sums=3, sequence_sums=2)
+    score_sums, choices, z_sum, sequence_scores, sequence_choices = map(replicated, sums)
+    topk, tokens = cfg.moe_router_topk, batch * seq
+    losses = torch.stack([balancing_loss_of_sums(score_sums, choices, tokens, topk, 1.0),
+                          sequence_balancing_loss_of_sums(sequence_scores, sequence_choices, seq, topk, 1.0),
+                          z_sum / tokens])
     loss_weights = router_loss_weights(cfg)
     if aux_grad_scale is not None and any(loss_weights):
         objective = (losses * torch.tensor(loss_weights, dtype=losses.dtype, device=losses.device)).sum()
@@ -249,7 +256,10 @@ def moe_mlp(p: dict, x: torch.Tensor, cfg: ModelConfig,
         return load, (~kept).sum().float() if kept is not None else load.new_zeros(())
 
     load, dropped = run_on_tokens(counts, routing.experts, keep, per_token=0, sums=2)
-    return out.view(batch, seq, hidden), RouterStats(load.detach(), losses.detach(), dropped)
+    out = rows_as_tokens(out, x)
+    if "shared_experts" in p:
+        out = out + layers.mlp(p["shared_experts"], x, cfg)
+    return out, RouterStats(load.detach(), losses.detach(), dropped)
 
 
 def feed_forward(p: dict, x: torch.Tensor, cfg: ModelConfig,
@@ -296,15 +306,20 @@ def moe_layer_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def updated_expert_biases(params: dict, load: torch.Tensor, cfg: ModelConfig) -> dict:
+def updated_expert_biases(params: dict, load: torch.Tensor, cfg: ModelConfig,
+                          layer_names: Optional[list[str]] = None) -> dict:
     """``params`` with every router's ``expert_bias`` moved by DeepSeek-V3's aux-loss-free step
-    (``router.updated_expert_bias`` at ``moe_router_bias_update_rate``), ``load`` ``[L_moe, E]`` the
-    pairs each expert of each MoE layer (``moe_layer_names`` order) took over the step. Other
-    leaves are shared; without expert biases ``params`` itself."""
+    (``router.updated_expert_bias`` at ``moe_router_bias_update_rate``), ``load`` ``[L, E]`` the
+    pairs each expert of each MoE layer of ``layer_names`` (default: all, ``moe_layer_names``
+    order; a pipeline rank names those it holds) took over the step. Other leaves are shared;
+    without expert biases ``params`` itself."""
     if not cfg.moe_router_enable_expert_bias:
         return params
     new = dict(params)
-    for name, layer_load in zip(moe_layer_names(cfg), load.unbind(0)):
+    names = moe_layer_names(cfg) if layer_names is None else layer_names
+    if len(names) != load.shape[0]:
+        raise ValueError(f"updated_expert_biases: {load.shape[0]} layers' loads for {len(names)} MoE layers")
+    for name, layer_load in zip(names, load.unbind(0)):
         *parents, last = name.split(".")
         node = new
         for key in parents:

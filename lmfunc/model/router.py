@@ -145,9 +145,16 @@ def sequence_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor
                                  coeff: float) -> torch.Tensor:
     """DeepSeek-V3's sequence-level balance loss: ``load_balancing_loss`` within each sequence of
     ``scores`` and ``routing_map`` ``[B, S, E]``, averaged over the B sequences."""
-    batch, seq, experts = scores.shape
-    load = routing_map.float().sum(dim=1)
-    per_sequence = (scores.sum(dim=1) * load).sum(dim=-1) * (experts * coeff / (topk * seq * seq))
+    return sequence_balancing_loss_of_sums(scores.sum(dim=1), routing_map.float().sum(dim=1), scores.shape[1], topk,
+                                           coeff)
+
+
+def sequence_balancing_loss_of_sums(score_sums: torch.Tensor, load: torch.Tensor, seq: int, topk: int,
+                                    coeff: float) -> torch.Tensor:
+    """``sequence_load_balancing_loss`` from its sums over each sequence of ``seq`` tokens: every
+    expert's summed score ``[B, E]`` and its choices ``[B, E]`` (where a sequence is split over
+    ranks, summed over all of them first)."""
+    per_sequence = (score_sums * load).sum(dim=-1) * (score_sums.shape[-1] * coeff / (topk * seq * seq))
     return per_sequence.mean()
 
 

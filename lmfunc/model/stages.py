@@ -7,7 +7,8 @@ and the MTP depths. The last stage also needs the token embedding when the outpu
 it or when MTP runs (each depth embeds the shifted tokens): Megatron keeps a copy of the embedding
 on the last stage and all-reduces its gradient over the "embedding group" (first and last stage).
 ``shared_leaves`` names those leaves; their gradients are summed across the stages holding them.
-``stage_forward`` is a stage's part of ``gpt.forward``.
+``stage_forward`` is a stage's part of ``gpt.forward``; ``stage_moe_layers`` says which MoE layers'
+router statistics it produces.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import PipelineSplit
-from lmfunc.model import gpt, layers
+from lmfunc.model import gpt, layers, moe
+from lmfunc.model.moe import RouterStats
 from lmfunc.tree import PyTree
 
 
@@ -51,18 +53,32 @@ def stage_params(params: PyTree, cfg: ModelConfig, split: PipelineSplit, stage: 
 
 def stage_forward(params: PyTree, x: torch.Tensor, cfg: ModelConfig, split: PipelineSplit, stage: int,
                   positions: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                  dropout_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  dropout_seed: Optional[torch.Tensor] = None,
+                  aux_grad_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[RouterStats]]:
     """Stage ``stage``'s part of ``gpt.forward`` over its ``stage_params``: ``x`` is the tokens
     ``[B, S]`` on the first stage and the previous stage's output ``[B, S, h]`` on the others; the
-    result is ``[B, S, h]``, final-normed on the last stage. Every stage needs ``positions``
-    (RoPE) and ``doc_ids`` (the document mask); composed over the stages this is ``gpt.forward``.
-    A sequence split over ``cp`` is in load-balanced order: ``positions`` ``[B, S]`` (then given
-    for every token, its original index by default) also tell attention where each token was."""
+    result is ``[B, S, h]``, final-normed on the last stage, and the ``RouterStats`` of the stage's
+    MoE layers in layer order (``aux_grad_scale`` as in ``gpt.decoder``). Every stage needs
+    ``positions`` (RoPE) and ``doc_ids`` (the document mask); composed over the stages this is
+    ``gpt.forward``. A sequence split over ``cp`` is in load-balanced order: ``positions`` ``[B, S]``
+    (then given for every token, its original index by default) also tell attention where each
+    token was."""
     positions, mask = layers.positions_and_mask(positions, positions, doc_ids)
     if split.holds_embedding(stage):
         x = gpt.embed_input(params, x, positions, cfg, dropout_seed)
-    x, _ = gpt.run_layers(params, x, cfg, gpt.rope_for(positions, cfg), mask, dropout_seed, split.layers[stage])
-    return gpt.final_hidden(params, x, cfg) if split.holds_head(stage) else x
+    x, stats = gpt.run_layers(params, x, cfg, gpt.rope_for(positions, cfg), mask, dropout_seed, split.layers[stage],
+                              aux_grad_scale)
+    return (gpt.final_hidden(params, x, cfg) if split.holds_head(stage) else x), stats
+
+
+def stage_moe_layers(cfg: ModelConfig, split: PipelineSplit, stage: int) -> list[int]:
+    """The positions in ``moe.moe_layer_names(cfg)`` (the order of every MoE layer's ``RouterStats``)
+    of the MoE layers stage ``stage`` runs: its layers', then on the last stage the MTP depths'."""
+    names = moe.moe_layer_names(cfg)
+    held = [f"layers.{i}.mlp" for i in split.layers[stage]]
+    if split.holds_head(stage):
+        held += [f"mtp.{k}.layer.mlp" for k in range(cfg.mtp_num_layers)]
+    return [names.index(name) for name in held if name in names]
 
 
 def rank_params(params: PyTree, cfg: ModelConfig, split: PipelineSplit, rank: int) -> PyTree:

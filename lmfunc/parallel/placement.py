@@ -1,12 +1,13 @@
 """What the model itself needs to know about layouts (no model imports, so layers can use it).
 
 ``gather(p)``: a parameter in its compute layout (FSDP shards all-gathered over the data-parallel
-dims; tensor-parallel shards kept); ``gather_experts(p)`` keeps the expert-parallel split too. ``run_local(fn, ...)``: run a kernel that has no DTensor
-sharding rule (CPU attention) on each rank's local shards; every input must be split only along
-dims the kernel treats independently (batch, heads), so the local gradients are already the
-right shards. ``region(name)``: marks the graph nodes a model region traces (``embed``,
-``layers.<i>``, ``head``), which the compiler's collective pass buckets by
-(``lmfunc.compiler.collective_buckets``).
+dims; tensor-parallel shards kept); ``gather_experts(p)`` keeps the expert-parallel split too.
+``run_local(fn, ...)``: run a kernel that has no DTensor sharding rule (CPU attention) on each
+rank's local shards; every input must be split only along dims the kernel treats independently
+(batch, heads), so the local gradients are already the right shards. ``run_on_tokens(fn, ...)``:
+the same for token-wise work (the MoE experts) on ``tokens_as_rows``, every rank's own tokens as
+rows. ``region(name)``: marks the graph nodes a model region traces (``embed``, ``layers.<i>``,
+``head``), which the compiler's collective pass buckets by (``lmfunc.compiler.collective_buckets``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,55 @@ def run_local(fn: Callable[..., torch.Tensor], *args):
     return mapped(*args)
 
 
-def run_on_tokens(fn: Callable, tokens: torch.Tensor, *args, per_token: int = 1, sums: int = 0):
+def tokens_as_rows(x: torch.Tensor) -> torch.Tensor:
+    """Activations ``[B, S, ...]`` as rows ``[B * S, ...]``, one per token, for token-wise work (the
+    MoE router and experts). A DTensor is flattened rank by rank: each rank's local tokens become
+    its rows, split (``Shard(0)``) over every mesh dim that split the batch or the sequence (the
+    sequence over ``cp``), so no tokens move. The global row order is then rank-major, not the
+    tokens' order, which token-wise work does not see; ``rows_as_tokens`` undoes it."""
+    if not isinstance(x, DTensor):
+        return x.reshape(-1, *x.shape[2:])
+    local = x.to_local()
+    placements = _row_placements(x)
+    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+    rows = local.reshape(-1, *local.shape[2:])
+    return DTensor.from_local(rows, x.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_strides(shape))
+
+
+def rows_as_tokens(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``tokens_as_rows``: ``rows`` ``[B * S, ...]`` back as ``[B, S, ...]`` in the layout
+    of ``like`` (the activations ``tokens_as_rows`` flattened)."""
+    if not isinstance(like, DTensor):
+        return rows.reshape(*like.shape[:2], *rows.shape[1:])
+    want = _row_placements(like)
+    if list(rows.placements) != want:
+        rows = rows.redistribute(rows.device_mesh, want)
+    local_like = like.to_local()
+    local = rows.to_local().reshape(*local_like.shape[:2], *rows.shape[1:])
+    shape = (*like.shape[:2], *rows.shape[1:])
+    return DTensor.from_local(local, like.device_mesh, list(like.placements), run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_strides(shape))
+
+
+def _row_placements(x: DTensor) -> list[Placement]:
+    """The placements of ``tokens_as_rows(x)``: ``Shard(0)`` where ``x`` is split along the batch or
+    the sequence, the others kept."""
+    if any(isinstance(p, Shard) and p.dim not in (0, 1) for p in x.placements):
+        raise ValueError(f"tokens_as_rows: activations split along a feature dim ({x.placements}) are not tokens")
+    return [Shard(0) if isinstance(p, Shard) else p for p in x.placements]
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def run_on_tokens(fn: Callable, tokens: torch.Tensor, *args, per_token: int = 1, sums: int = 0,
+                  sequence_sums: int = 0):
     """``fn(tokens, *args)`` on each rank's own tokens, for a computation without DTensor sharding
     rules (the MoE experts): ``tokens`` and every argument as local shards. A per-token argument
     has ``tokens``' placements; a weight in its compute layout is whole except along dims it is
@@ -79,8 +128,10 @@ def run_on_tokens(fn: Callable, tokens: torch.Tensor, *args, per_token: int = 1,
     experts over ``ep``) it stays a shard, so ``fn`` must itself bring every rank's tokens to the
     shard they need (``lmfunc.parallel.expert_parallel``'s all-to-all). ``fn`` returns
     ``per_token`` tensors (in ``tokens``' placements), then ``sums`` sums over the local tokens
-    (``Partial`` over the token-splitting dims, so they are reduced where they are used). Plain
-    tensors: ``fn(tokens, *args)``."""
+    (``Partial`` over the token-splitting dims, so they are reduced where they are used), then, for
+    ``tokens`` ``[B, S, ...]``, ``sequence_sums`` sums over each local sequence part ``[B, ...]``
+    (split along the batch like ``tokens``, ``Partial`` over the dims that split the sequence, such
+    as ``cp``). Plain tensors: ``fn(tokens, *args)``."""
     if not isinstance(tokens, DTensor):
         return fn(tokens, *args)
     placements = list(tokens.placements)
@@ -92,7 +143,9 @@ def run_on_tokens(fn: Callable, tokens: torch.Tensor, *args, per_token: int = 1,
         return [p if isinstance(p, Shard) else Partial() if s else p for s, p in zip(split, a.placements)]
 
     args = (tokens, *args)
-    outputs = [placements] * per_token + [[Partial() if s else p for s, p in zip(split, placements)]] * sums
+    per_sequence = [p if p == Shard(0) else Partial() if s else p for s, p in zip(split, placements)]
+    outputs = ([placements] * per_token + [[Partial() if s else p for s, p in zip(split, placements)]] * sums
+               + [per_sequence] * sequence_sums)
     mapped = local_map(fn, out_placements=tuple(outputs) if len(outputs) > 1 else outputs[0],
                        in_placements=tuple(list(a.placements) if isinstance(a, DTensor) else None for a in args),
                        in_grad_placements=tuple(map(grad_layout, args)), device_mesh=tokens.device_mesh)

@@ -111,6 +111,14 @@ ROUTER_VALUES_PER_EXPERT = 3
 """fp32 values an MoE layer keeps per token and expert: the router's logits and the scores of the
 routing and of the balancing losses."""
 
+EXPERT_PARALLEL_NOTE = ("dropless experts over ep are predicted with the one-process MoE values; measured on the CPU, "
+                        "the compiled step's peak was 17-19% above this (docs/performance.md)")
+"""Measured on two MoE configs on dp_shard 2 x ep 2 (the same configs on dp_shard 2 without ep: within
+0.2%; with a capacity factor of 1.0 on ep 2: 13% below the prediction). The received rows per rank
+differ from one process's by at most 9% per layer, which does not explain it; the dropless
+exchange's data-dependent sizes, which the compiled step only knows at run time, are the
+suspect."""
+
 MLA_VALUES = {"query_key": 2, "value": 2, "q_latent": 2, "kv_latent": 1.5, "probabilities": 1}
 """Values a multi-head latent attention layer keeps per token (compute dtype), in place of the
 query, key and value terms of ``KEPT_PER_TOKEN`` (no recompute): its queries and keys (a heads of
@@ -244,8 +252,10 @@ def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1, m
         mla_values = (MLA_VALUES["query_key"] * a * (m.qk_head_dim + m.qk_pos_emb_head_dim)
                       + MLA_VALUES["value"] * a * m.v_head_dim + latent
                       + MLA_VALUES["probabilities"] * a * cfg.data.seq_length)
-        per_token = standard.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes)
-        return tokens * (per_token + mla_values * compute_bytes + moe_extra)
+        per_token = standard.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + moe_extra
+        # with cp each layer also keeps the keys and values of the other ranks' tokens (every head)
+        gathered_kv = (tokens - tokens / cp) * a * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) * compute_bytes
+        return tokens / cp * (per_token + mla_values * compute_bytes) + gathered_kv
     per_token = kept.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + moe_extra
     return tokens / cp * per_token + gathered_kv
 
@@ -253,15 +263,19 @@ def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1, m
 def attention_backward_bytes(cfg: TrainConfig, tp: int, cp: int) -> int:
     """With ``cp`` > 1, what one layer's attention backward adds on one rank: the dense masks
     (``ATTENTION_MASK_COPIES``) and the gradients of its local queries and of the whole sequence's
-    keys and values (reduce-scattered over ``cp`` after it); 0 without ``cp``."""
+    keys and values (reduce-scattered over ``cp`` after it; MLA's of every head); 0 without ``cp``."""
     if cp == 1:
         return 0
     m, b, s = cfg.model, cfg.run.micro_batch_size, cfg.data.seq_length
     compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
     mask_batch = b if cfg.data.reset_attention_mask else 1
     masks = ATTENTION_MASK_COPIES * mask_batch * (s // cp) * s * compute_bytes
-    grads = b * (s // cp * m.num_attention_heads + 2 * s * m.query_groups) * m.head_dim / tp * compute_bytes
-    return int(masks + grads)
+    if m.multi_latent_attention:
+        query_key = m.qk_head_dim + m.qk_pos_emb_head_dim
+        widths = m.num_attention_heads * (s // cp * query_key + s * (query_key + m.v_head_dim))
+    else:
+        widths = (s // cp * m.num_attention_heads + 2 * s * m.query_groups) * m.head_dim
+    return int(masks + b * widths / tp * compute_bytes)
 
 
 def head_bytes(cfg: TrainConfig, tp: int, cp: int = 1) -> int:
@@ -309,6 +323,8 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     workspace, workspace_note = cublas_workspace_bytes(cfg.run.device)
     peak = state + compute_copies + max(phases) + workspace
     notes = (workspace_note,) if workspace_note else ()
+    if sizes.get("ep", 1) > 1 and m.num_experts is not None and m.moe_expert_capacity_factor is None:
+        notes += (EXPERT_PARALLEL_NOTE,)
     if scanned and m.recompute_granularity != "none":
         notes += (f"model.recompute_granularity={m.recompute_granularity} saves no memory with model.scan_layers "
                  "(torch's scan keeps the values its own partitioner chooses), so this counts what no recompute "

@@ -39,7 +39,7 @@ from lmfunc.config.pipeline import PipelineSplit, pipeline_split
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
 from lmfunc.model.stages import rank_params
-from lmfunc.parallel.sharding import local_shape
+from lmfunc.parallel.sharding import COMPUTE_RULES, DEFAULT_RULES, Rules, local_shape
 from lmfunc.plan.memory import DTYPE_BYTES, MemoryPlan, head_bytes, layer_kept_bytes
 from lmfunc.tree import flatten_with_paths
 
@@ -65,12 +65,24 @@ def chunks_in_flight(schedule: str, split: PipelineSplit, microbatches: int, ran
     return None
 
 
-def _rank_elements(cfg: TrainConfig, split: PipelineSplit, rank: int, sizes: dict[str, int]) -> int:
-    """Parameter elements of pipeline rank ``rank``'s leaves on one data/tensor-parallel rank."""
+def _rank_elements(cfg: TrainConfig, split: PipelineSplit, rank: int, sizes: dict[str, int],
+                   rules: Rules = DEFAULT_RULES) -> int:
+    """Parameter elements of pipeline rank ``rank``'s leaves on one data/tensor-parallel rank, laid out
+    by ``rules`` (storage; ``COMPUTE_RULES``: the compute layout)."""
     others = {name: size for name, size in sizes.items() if name != "pp"}
     specs = rank_params(gpt.param_specs(cfg.model), cfg.model, split, rank)
-    return sum(math.prod(local_shape(spec.shape, spec.axes, others))
+    return sum(math.prod(local_shape(spec.shape, spec.axes, others, rules))
                for _, spec in flatten_with_paths(specs, is_leaf=lambda x: hasattr(x, "axes")))
+
+
+def _stage_kept_bytes(cfg: TrainConfig, split: PipelineSplit, stage: int, tp: int) -> float:
+    """What one microbatch's pass through stage ``stage`` keeps in its layers (``layer_kept_bytes``;
+    MoE layers their experts' values): its layers, and on the last stage the MTP depths."""
+    m = cfg.model
+    layers = [m.moe_layers[i] for i in split.layers[stage]]
+    if split.holds_head(stage):
+        layers += [m.moe_layers[-1]] * m.mtp_num_layers
+    return sum(layer_kept_bytes(cfg, tp, m.recompute_granularity, moe=is_moe) for is_moe in layers)
 
 
 def predict_pipeline_rank(cfg: TrainConfig, sizes: dict[str, int], rank: int) -> Optional[MemoryPlan]:
@@ -87,13 +99,11 @@ def predict_pipeline_rank(cfg: TrainConfig, sizes: dict[str, int], rank: int) ->
     tp = sizes.get("tp", 1)
     compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
     params = _rank_elements(cfg, split, rank, sizes)
-    gathered = _rank_elements(cfg, split, rank, {**sizes, "dp_shard": 1, "dp_replicate": 1})
+    gathered = _rank_elements(cfg, split, rank, sizes, COMPUTE_RULES)
     compute_copies = compute_bytes * gathered if compute_bytes < 4 or gathered != params else 0
-    kept = layer_kept_bytes(cfg, tp, m.recompute_granularity)
     hidden_split = tp if m.sequence_parallel and tp > 1 else 1
     boundary = 2 * cfg.run.micro_batch_size * cfg.data.seq_length * m.hidden_size * compute_bytes / hidden_split
-    per_chunk = max(len(split.layers[s]) * kept + (m.mtp_num_layers * kept if split.holds_head(s) else 0) + boundary
-                    for s in split.stages_of_rank(rank))
+    per_chunk = max(_stage_kept_bytes(cfg, split, s, tp) + boundary for s in split.stages_of_rank(rank))
     activations = int(chunks * per_chunk)
     holds_head = any(split.holds_head(s) for s in split.stages_of_rank(rank))
     head = head_bytes(cfg, tp) if holds_head else 0

@@ -16,7 +16,9 @@ from lmfunc.compiler.compiling import with_own_code
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import PipelineSplit
 from lmfunc.loss import LossOutput
-from lmfunc.model.stages import stage_forward
+from lmfunc.loss.next_token import router_grad_scale
+from lmfunc.model.moe import RouterStats
+from lmfunc.model.stages import stage_forward, stage_moe_layers
 from lmfunc.parallel.context import CP_DIM
 from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 from lmfunc.precision import cast_params
@@ -26,7 +28,8 @@ from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
 class StageModule(nn.Module):
     """One stage for torch's ``PipelineStage``: its leaves as parameters (rebound to the state's
     tensors each step) and ``stage_forward``; on the last stage also the loss, whose per-microbatch
-    ``LossOutput`` it records for the step's metrics. With ``compile`` the stage's function is
+    ``LossOutput`` it records for the step's metrics, as it records its MoE layers' ``RouterStats``
+    (``router_stats``, for its ``moe_layers``). With ``compile`` the stage's function is
     compiled (``torch.compile``, Inductor): AOTAutograd compiles its backward with it.
 
     On a ``data_mesh`` (the data- and tensor-parallel dims of this pipeline rank) the leaves are
@@ -47,6 +50,7 @@ class StageModule(nn.Module):
         self.weights = nn.ParameterList(nn.Parameter(leaf.detach(), requires_grad=leaf.is_floating_point())
                                         for _, leaf in flatten_with_paths(template))
         self.compute_dtype, self.objective, self.outputs = compute_dtype, objective, []
+        self.moe_layers, self.router_stats = stage_moe_layers(cfg, split, stage), []
         self.grad_scale: Optional[torch.Tensor] = None
         self.run = self._run
         if compile:
@@ -58,7 +62,7 @@ class StageModule(nn.Module):
         weight gradients from ``parameters()``); their data becomes the state's tensors (no copy)
         and their gradients are cleared. A DTensor parameter's contents are swapped in
         (``torch.utils.swap_tensors``): assigning ``.data`` leaves its local shard unchanged."""
-        self.outputs, self.grad_scale = [], grad_scale
+        self.outputs, self.router_stats, self.grad_scale = [], [], grad_scale
         for weight, (_, leaf) in zip(self.weights, flatten_with_paths(params)):
             weight.grad = None
             if isinstance(leaf, DTensor):
@@ -76,17 +80,19 @@ class StageModule(nn.Module):
         return [_like(p.grad, p) if p.grad is not None else torch.zeros_like(p) for p in self.weights]
 
     def forward(self, x, position_ids, seed, doc_ids=None, labels=None, loss_mask=None, tokens=None):
-        result = self.run(list(self.weights), x, position_ids, seed, doc_ids, labels, loss_mask, tokens,
-                          self.grad_scale)
-        if not self.split.holds_head(self.stage):
-            return result
-        value, *out = result
-        self.outputs.append(LossOutput(*out))
-        return value
+        result, *fields = self.run(list(self.weights), x, position_ids, seed, doc_ids, labels, loss_mask, tokens,
+                                   self.grad_scale)
+        if self.moe_layers:
+            self.router_stats.append(RouterStats(*fields[-len(RouterStats._fields):]))
+            fields = fields[:-len(RouterStats._fields)]
+        if self.split.holds_head(self.stage):
+            self.outputs.append(LossOutput(*fields))
+        return result
 
     def _run(self, weights, x, position_ids, seed, doc_ids, labels, loss_mask, tokens, grad_scale):
-        """The stage's hidden states ``[B, S, h]``, or on the last stage the tuple (objective,
-        ``LossOutput``'s fields)."""
+        """The tuple of the stage's hidden states ``[B, S, h]`` (on the last stage its objective and
+        ``LossOutput``'s tensors instead), then, where the stage runs MoE layers, their
+        ``RouterStats`` fields stacked over those layers (``stage_moe_layers`` order)."""
         params = cast_params(tree_unflatten_as(self.template, weights), self.compute_dtype)
         dropout_seed = seed[0] if seed.numel() else None
         mesh = self.data_mesh
@@ -97,13 +103,14 @@ class StageModule(nn.Module):
             position_ids, doc_ids, labels, loss_mask, tokens = (
                 None if t is None else DTensor.from_local(t, mesh, batch_placements, run_check=False)
                 for t in (position_ids, doc_ids, labels, loss_mask, tokens))
-        hidden = stage_forward(params, x, self.cfg, self.split, self.stage, position_ids, doc_ids, dropout_seed)
+        hidden, stats = stage_forward(params, x, self.cfg, self.split, self.stage, position_ids, doc_ids,
+                                      dropout_seed, router_grad_scale(position_ids.numel(), grad_scale, True))
         if not self.split.holds_head(self.stage):
-            if mesh is None:
-                return hidden
-            if list(hidden.placements) != hidden_placements:
-                hidden = hidden.redistribute(mesh, hidden_placements)
-            return hidden.to_local().clone() if self.split_backward else hidden.to_local()
+            if mesh is not None:
+                if list(hidden.placements) != hidden_placements:
+                    hidden = hidden.redistribute(mesh, hidden_placements)
+                hidden = hidden.to_local().clone() if self.split_backward else hidden.to_local()
+            return (hidden, *_router_fields(stats))
         micro = {"tokens": tokens, "labels": labels, "position_ids": position_ids, "doc_ids": doc_ids}
         if loss_mask is not None:
             micro["loss_mask"] = loss_mask
@@ -113,9 +120,19 @@ class StageModule(nn.Module):
             # this rank's share of the objective (a Partial sum over the data-parallel dims); its
             # gradient is 1 on every rank, a replicated one
             value = value.to_local(grad_placements=[Replicate()] * mesh.ndim)
-        # the fields are metrics only: detached, so a compiled stage's backward needs no tangent for
-        # them (the router's statistics are None: MoE layers are refused beside pp)
-        return (value, *(field.detach() for field in out if field is not None))
+        # the fields are metrics only: detached, so a compiled stage's backward needs no tangent for them
+        loss_fields = (field.detach() for field in out[:4])
+        return (value, *loss_fields, *_router_fields(stats + ([out.router] if out.router is not None else [])))
+
+
+def _router_fields(stats: list[RouterStats]) -> tuple[torch.Tensor, ...]:
+    """The ``RouterStats`` of a stage's MoE layers stacked over the layers and detached: ``(load
+    [L, E], losses [L, 3], dropped [L])`` (DTensors on a data mesh); nothing without MoE layers. A
+    layer's stats are unstacked (``load`` ``[E]``), the MTP depths' stacked already."""
+    if not stats:
+        return ()
+    stacked = [s if s.load.dim() == 2 else RouterStats(*(f.unsqueeze(0) for f in s)) for s in stats]
+    return tuple(torch.cat(field).detach() for field in zip(*stacked))
 
 
 def _like(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:

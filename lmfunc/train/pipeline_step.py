@@ -23,6 +23,11 @@ signature: ``state.params`` is this rank's part of the parameter tree (the union
 - **Loss.** The last stage computes ``lm_loss_of_hidden`` and returns its microbatch's share of
   the step's objective, already divided by the step's token count and multiplied by the loss
   scale, so the schedule must not rescale: ``scale_grads=False``.
+- **MoE layers.** Each stage's MoE layers attach their router losses in that stage (the gradient
+  scale of ``lm_loss``'s, from the microbatch's token count), and its module records their
+  ``RouterStats`` per microbatch. The step places them at their layers' rows of the whole model
+  and sums them over the pipeline group with the loss metrics: every rank logs every layer's
+  router metrics and moves the expert biases it holds by its layers' loads, as ``make_train_step``.
 - **Gradients.** The schedule's backward leaves each stage's gradients in its module's
   parameters, summed over the microbatches. The token embedding held by the first and the last
   stage (tied, or read by MTP: ``shared_leaves``) has its two gradients summed over the embedding
@@ -61,7 +66,8 @@ from lmfunc.optim.transforms import Schedule
 from lmfunc.parallel.context import CP_DIM
 from lmfunc.parallel.sharding import context_split, local_batch_to_dtensor, match_placements
 from lmfunc.precision import LossScaleConfig, all_finite
-from lmfunc.model.stages import shared_leaves, stage_params
+from lmfunc.model import moe
+from lmfunc.model.stages import shared_leaves, stage_moe_layers, stage_params
 from lmfunc.train.pipeline_stages import StageModule
 from lmfunc.train.state import TrainState
 from lmfunc.train.step import (Batch, Metrics, check_batch, check_no_shared_storage, microbatch_seed, skip_on_overflow,
@@ -115,6 +121,8 @@ def make_pipeline_train_step(
 
     first_rank, last_rank = split.rank_of_stage(0), split.rank_of_stage(split.num_stages - 1)
     shared = set(shared_leaves(cfg, split))
+    moe_layers = moe.moe_layer_names(cfg)
+    held_moe_layers = sorted(i for stage in split.stages_of_rank(rank) for i in stage_moe_layers(cfg, split, stage))
     embedding_group = (_embedding_group(group, mesh, sorted({first_rank, last_rank}))
                        if shared and first_rank != last_rank else None)
     modules: dict[int, StageModule] = {}
@@ -150,6 +158,8 @@ def make_pipeline_train_step(
                             group=embedding_group)
         sums = _metric_sums(modules, num_micro, 1 + 2 * cfg.mtp_num_layers, device, lambda out: torch.cat(
             [out.loss_sum.reshape(1), out.mtp_loss_sums, out.mtp_num_tokens]))
+        if moe_layers:
+            sums = torch.cat([sums, _router_sums(modules, num_micro, len(moe_layers), cfg.num_experts, device)])
         dp = data_parallel_size(data)
         if donate_state:
             check_no_shared_storage((state.params, state.opt_state))
@@ -160,7 +170,7 @@ def make_pipeline_train_step(
                num_tokens: torch.Tensor, consumed: int) -> tuple[TrainState, Metrics]:
         return _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens,
                        counted=lambda path: path not in shared or rank == first_rank, consumed=consumed,
-                       donate=donate_state)
+                       donate=donate_state, num_micro=num_microbatches, held_moe_layers=held_moe_layers)
 
     run_update = compile_step(update, bucket_size_mb=None) if compile else update
     step.schedule = lambda: runtime.get("schedule")  # torch's schedule object, once built (benchmarks)
@@ -228,6 +238,32 @@ def _metric_sums(modules: dict, num_micro: int, size: int, device: torch.device,
     if total is None:
         return torch.zeros(size, device=device)
     return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def _router_sums(modules: dict, num_micro: int, num_layers: int, num_experts: int,
+                 device: torch.device) -> torch.Tensor:
+    """This rank's stages' ``RouterStats`` of this step, summed over its microbatches and placed at
+    their layers' rows of the whole model's ``[L_moe, ...]`` (zeros elsewhere), flattened into one
+    plain tensor ``[L_moe * (E + 4)]`` (load, losses, dropped; ``_unpacked_router``) that a sum over
+    the pipeline group completes."""
+    load = torch.zeros(num_layers, num_experts, device=device)
+    losses = torch.zeros(num_layers, 3, device=device)
+    dropped = torch.zeros(num_layers, device=device)
+    for module in modules.values():
+        if not module.moe_layers:
+            continue
+        rows = torch.tensor(module.moe_layers, device=device)
+        for stats in module.router_stats[len(module.router_stats) - num_micro:]:
+            for total, field in zip((load, losses, dropped), stats):
+                total.index_add_(0, rows, _full(field).to(total.dtype))
+    return torch.cat([load.reshape(-1), losses.reshape(-1), dropped])
+
+
+def _unpacked_router(flat: torch.Tensor, num_experts: int) -> moe.RouterStats:
+    """The ``RouterStats`` ``_router_sums`` flattened (after the sum over the pipeline group)."""
+    num_layers = flat.numel() // (num_experts + 4)
+    load, losses, dropped = flat.split([num_layers * num_experts, num_layers * 3, num_layers])
+    return moe.RouterStats(load.view(num_layers, num_experts), losses.view(num_layers, 3), dropped)
 
 
 def _embedding_group(group: dist.ProcessGroup, mesh: Optional[DeviceMesh], ranks: list[int]):
@@ -372,11 +408,12 @@ def _full(x: torch.Tensor) -> torch.Tensor:
 
 
 def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens, counted,
-            consumed, donate):
+            consumed, donate, num_micro, held_moe_layers):
     """``make_train_step``'s update of this rank's state, with the norm and overflow flag reduced
-    over the pipeline and the loss metrics (``sums``: this rank's summed main and MTP token losses
-    and MTP token counts) summed from the last stage to every rank; with ``donate`` written into
-    the input state's tensors."""
+    over the pipeline and the metrics (``sums``: this rank's summed main and MTP token losses and
+    MTP token counts, then with MoE layers ``_router_sums``) summed from the stages to every rank;
+    with MoE layers every expert bias this rank holds (``held_moe_layers``) moved by its layer's
+    load; with ``donate`` written into the input state's tensors."""
     scale = state.loss_scale.scale if loss_scale is not None else None
     paths = [path for path, _ in flatten_with_paths(grads)]
     leaves = [leaf for _, leaf in flatten_with_paths(grads)]
@@ -404,6 +441,11 @@ def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, c
         metrics[f"mtp_{k + 1}_loss"] = sums[1 + k] / torch.clamp(sums[1 + depths + k], min=1.0)
     params, opt_state, new_loss_scale, optimizer_steps = skip_on_overflow(state, params, opt_state, found_inf,
                                                                           loss_scale, metrics)
+    if moe.moe_layer_names(cfg):
+        router = _unpacked_router(sums[1 + 2 * depths:], cfg.num_experts)
+        params = moe.updated_expert_biases(params, router.load[held_moe_layers], cfg,
+                                           [moe.moe_layer_names(cfg)[i] for i in held_moe_layers])
+        metrics |= moe.router_metrics(router, num_micro, cfg)
     if lr_schedule is not None:
         metrics["lr"] = lr_schedule(optimizer_steps)
     if donate:
