@@ -129,7 +129,7 @@ MOE_LAYOUTS = [("dp_shard=2", 2, ["--moe"]), ("tp=2", 2, ["--moe", "--mla", "--s
                ("dp_shard=2,ep=2", 2, ["--moe"])]
 SLOW_MOE_LAYOUTS = [("dp_replicate=2", 2, ["--moe"]), ("dp_shard=2,tp=2", 4, ["--moe", "--mla", "--sp"]),
                     ("dp_shard=4,ep=2", 4, ["--moe"]), ("dp_shard=2,ep=2,tp=2", 4, ["--moe", "--mla", "--sp", "--mtp"]),
-                    ("dp_shard=2,ep=2", 2, ["--moe", "--capacity"])]
+                    ("dp_shard=2,ep=2", 2, ["--moe", "--capacity"]), ("dp_shard=2,ep=2", 2, ["--moe", "--mla", "--fp16"])]
 EXPERT_PLACEMENTS = {"dp_shard=2,ep=2": "(Shard(dim=0),)", "dp_shard=4,ep=2": "(Shard(dim=1), Shard(dim=0))",
                      "dp_shard=2,ep=2,tp=2": "(Shard(dim=0), Replicate())"}
 """The routed experts' storage placements (``w_gate`` ``[E, h, f]``) on each expert-parallel layout:
@@ -147,7 +147,9 @@ def test_moe_and_mla_invariance(layout, nproc, flags, tmp_path, torchrun):
     so one process is still the reference). The router losses and loads are sums over every rank's
     tokens. Every loss and grad norm (relative 1e-5: with ep, the norm counts each expert shard once,
     Megatron's reduction over the expert groups), the final params and Adam moments as a whole (relative L2
-    1e-5, the issue's measure) and any leaf to 2e-5 (measured: below 5e-6).
+    1e-5, the issue's measure) and any leaf to 2e-5 (measured: below 5e-6). ``--fp16`` (dynamic loss
+    scaling on both sides) to ``test_parallel_invariance``'s fp16 bounds (measured on an AMD EPYC with
+    ep 2, MoE and MLA: losses 3e-6, a leaf 2.8e-3, as a whole 8e-4).
 
     The batches start at seed 10 (``MOE_DATA_SEED``). A top-k router's choice is discrete: where a
     token's k-th and (k+1)-th scores are within fp32 rounding of each other, any other order of
@@ -173,12 +175,13 @@ def check_moe_invariance(torchrun, nproc: int, args: list, tmp_path) -> dict:
     torchrun(nproc, ["tests/parallel_worker.py", args[0], str(out), *args[1:], f"--data-seed={MOE_DATA_SEED}"])
     result = json.loads(out.read_text())
     assert result["init_error"] == 0.0
+    metric, total, leaf = (5e-4, 5e-3, 1e-2) if "--fp16" in args else (1e-5, 1e-5, 2e-5)
     for got, want in zip(result["losses"], result["reference_losses"]):
-        assert got == pytest.approx(want, rel=1e-5)
+        assert got == pytest.approx(want, rel=metric)
     for got, want in zip(result["grad_norms"], result["reference_grad_norms"]):  # experts counted once per shard
-        assert got == pytest.approx(want, rel=1e-5)
-    assert result["total_final_error"] < 1e-5 and result["total_moment_error"] < 1e-5, result
-    assert result["final_error"] < 2e-5 and result["moment_error"] < 2e-5, result
+        assert got == pytest.approx(want, rel=metric)
+    assert result["total_final_error"] < total and result["total_moment_error"] < total, result
+    assert result["final_error"] < leaf and result["moment_error"] < leaf, result
     return result
 
 

@@ -19,7 +19,7 @@ from tests.helpers import run_torchrun
     (2, "1f1b", 0, 0, 1, 0, 0, 0, ""),
     (2, "interleaved-1f1b", 2, 1, 0, 0, 0, 0, ""),
     (2, "gpipe", 0, 1, 1, 0, 0, 1, ""),
-    (4, "gpipe", 0, 1, 1, 0, 0, 0, "1 2 1"),
+    pytest.param(4, "gpipe", 0, 1, 1, 0, 0, 0, "1 2 1", marks=pytest.mark.slow),
     (2, "zero-bubble", 2, 0, 1, 0, 0, 0, ""),
     (4, "1f1b", 0, 1, 1, 0, 0, 0, "1 1 0 2"),
     pytest.param(4, "zero-bubble", 2, 0, 1, 0, 0, 0, "1 1 0 2", marks=pytest.mark.slow),

@@ -133,3 +133,26 @@ def test_a_pp2_run_exports_to_hf_and_a_pp2_run_starts_from_the_import(runs, tmp_
     started = _train(tmp_path, "from_hf", 2, "--parallel.pp", "2", "--checkpoint.load-hf", str(tmp_path / "hf"))
     source = _losses(runs / "pp2", "valid")
     assert _losses(started, "valid")[0] == pytest.approx(source[STEPS], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_deepseek_preset_trains_on_pp2_like_one_process(tmp_path):
+    """``--preset deepseek-v3-tiny`` (MLA, a dense first layer, MoE layers with a shared expert and
+    the expert bias, one MTP depth, whose layer is an MoE layer) through the CLI on pp 2: every
+    step's loss, MTP loss and router metrics (each layer's too) equal one process's (rel 1e-5),
+    as do the validation losses."""
+    flags = ["-m", "lmfunc.train", "--preset", "deepseek-v3-tiny", "--data.seq-length", "32",
+             "--run.micro-batch-size", "2", "--run.global-batch-size", "8", "--run.train-iters", "4",
+             "--optim.lr-warmup-iters", "1", "--run.eval-iters", "1", "--run.eval-interval", "2", "--run.no-compile",
+             "--log.no-progress-bar", "--log.log-interval", "1", "--run.sample-tokens", "0", "--log.peak-flops",
+             "1e11", "--run.out-dir", str(tmp_path), "--data.cache-dir", str(tmp_path / "cache")]
+    run_torchrun(1, flags + ["--run.name", "single"])
+    run_torchrun(2, flags + ["--run.name", "pp2", "--parallel.pp", "2"])
+    records = {name: [r for r in read_log(str(tmp_path / name / "log.jsonl")) if r["kind"] in ("train", "valid")]
+               for name in ("single", "pp2")}
+    assert len(records["pp2"]) == len(records["single"]) >= 6
+    for want, got in zip(records["single"], records["pp2"]):
+        keys = [k for k in want if k == "loss" or k.startswith(("mtp_", "moe_"))]
+        assert "moe_imbalance/mtp.0.layer.mlp" in keys or want["kind"] == "valid", sorted(want)
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
