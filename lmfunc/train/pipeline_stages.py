@@ -135,6 +135,33 @@ def _router_fields(stats: list[RouterStats]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.cat(field).detach() for field in zip(*stacked))
 
 
+def router_sums(modules: dict, num_micro: int, num_layers: int, num_experts: int,
+                 device: torch.device) -> torch.Tensor:
+    """This rank's stages' ``RouterStats`` of this step, summed over its microbatches and placed at
+    their layers' rows of the whole model's ``[L_moe, ...]`` (zeros elsewhere), flattened into one
+    plain tensor ``[L_moe * (E + 4)]`` (load, losses, dropped; ``unpacked_router``) that a sum over
+    the pipeline group completes."""
+    load = torch.zeros(num_layers, num_experts, device=device)
+    losses = torch.zeros(num_layers, 3, device=device)
+    dropped = torch.zeros(num_layers, device=device)
+    for module in modules.values():
+        if not module.moe_layers:
+            continue
+        rows = torch.tensor(module.moe_layers, device=device)
+        for stats in module.router_stats[len(module.router_stats) - num_micro:]:
+            for total, field in zip((load, losses, dropped), stats):
+                whole = field.full_tensor() if isinstance(field, DTensor) else field
+                total.index_add_(0, rows, whole.to(total.dtype))
+    return torch.cat([load.reshape(-1), losses.reshape(-1), dropped])
+
+
+def unpacked_router(flat: torch.Tensor, num_experts: int) -> RouterStats:
+    """The ``RouterStats`` ``router_sums`` flattened (after the sum over the pipeline group)."""
+    num_layers = flat.numel() // (num_experts + 4)
+    load, losses, dropped = flat.split([num_layers * num_experts, num_layers * 3, num_layers])
+    return RouterStats(load.view(num_layers, num_experts), losses.view(num_layers, 3), dropped)
+
+
 def _like(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     """``grad`` in ``leaf``'s memory layout (for DTensors, of the local shards): itself when the
     strides match, else a copy."""

@@ -68,7 +68,7 @@ from lmfunc.parallel.sharding import context_split, local_batch_to_dtensor, matc
 from lmfunc.precision import LossScaleConfig, all_finite
 from lmfunc.model import moe
 from lmfunc.model.stages import shared_leaves, stage_moe_layers, stage_params
-from lmfunc.train.pipeline_stages import StageModule
+from lmfunc.train.pipeline_stages import StageModule, router_sums, unpacked_router
 from lmfunc.train.state import TrainState
 from lmfunc.train.step import (Batch, Metrics, check_batch, check_no_shared_storage, microbatch_seed, skip_on_overflow,
                                write_into)
@@ -159,7 +159,7 @@ def make_pipeline_train_step(
         sums = _metric_sums(modules, num_micro, 1 + 2 * cfg.mtp_num_layers, device, lambda out: torch.cat(
             [out.loss_sum.reshape(1), out.mtp_loss_sums, out.mtp_num_tokens]))
         if moe_layers:
-            sums = torch.cat([sums, _router_sums(modules, num_micro, len(moe_layers), cfg.num_experts, device)])
+            sums = torch.cat([sums, router_sums(modules, num_micro, len(moe_layers), cfg.num_experts, device)])
         dp = data_parallel_size(data)
         if donate_state:
             check_no_shared_storage((state.params, state.opt_state))
@@ -238,32 +238,6 @@ def _metric_sums(modules: dict, num_micro: int, size: int, device: torch.device,
     if total is None:
         return torch.zeros(size, device=device)
     return total.full_tensor() if isinstance(total, DTensor) else total
-
-
-def _router_sums(modules: dict, num_micro: int, num_layers: int, num_experts: int,
-                 device: torch.device) -> torch.Tensor:
-    """This rank's stages' ``RouterStats`` of this step, summed over its microbatches and placed at
-    their layers' rows of the whole model's ``[L_moe, ...]`` (zeros elsewhere), flattened into one
-    plain tensor ``[L_moe * (E + 4)]`` (load, losses, dropped; ``_unpacked_router``) that a sum over
-    the pipeline group completes."""
-    load = torch.zeros(num_layers, num_experts, device=device)
-    losses = torch.zeros(num_layers, 3, device=device)
-    dropped = torch.zeros(num_layers, device=device)
-    for module in modules.values():
-        if not module.moe_layers:
-            continue
-        rows = torch.tensor(module.moe_layers, device=device)
-        for stats in module.router_stats[len(module.router_stats) - num_micro:]:
-            for total, field in zip((load, losses, dropped), stats):
-                total.index_add_(0, rows, _full(field).to(total.dtype))
-    return torch.cat([load.reshape(-1), losses.reshape(-1), dropped])
-
-
-def _unpacked_router(flat: torch.Tensor, num_experts: int) -> moe.RouterStats:
-    """The ``RouterStats`` ``_router_sums`` flattened (after the sum over the pipeline group)."""
-    num_layers = flat.numel() // (num_experts + 4)
-    load, losses, dropped = flat.split([num_layers * num_experts, num_layers * 3, num_layers])
-    return moe.RouterStats(load.view(num_layers, num_experts), losses.view(num_layers, 3), dropped)
 
 
 def _embedding_group(group: dist.ProcessGroup, mesh: Optional[DeviceMesh], ranks: list[int]):
@@ -411,7 +385,7 @@ def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, c
             consumed, donate, num_micro, held_moe_layers):
     """``make_train_step``'s update of this rank's state, with the norm and overflow flag reduced
     over the pipeline and the metrics (``sums``: this rank's summed main and MTP token losses and
-    MTP token counts, then with MoE layers ``_router_sums``) summed from the stages to every rank;
+    MTP token counts, then with MoE layers ``router_sums``) summed from the stages to every rank;
     with MoE layers every expert bias this rank holds (``held_moe_layers``) moved by its layer's
     load; with ``donate`` written into the input state's tensors."""
     scale = state.loss_scale.scale if loss_scale is not None else None
@@ -442,7 +416,7 @@ def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, c
     params, opt_state, new_loss_scale, optimizer_steps = skip_on_overflow(state, params, opt_state, found_inf,
                                                                           loss_scale, metrics)
     if moe.moe_layer_names(cfg):
-        router = _unpacked_router(sums[1 + 2 * depths:], cfg.num_experts)
+        router = unpacked_router(sums[1 + 2 * depths:], cfg.num_experts)
         params = moe.updated_expert_biases(params, router.load[held_moe_layers], cfg,
                                            [moe.moe_layer_names(cfg)[i] for i in held_moe_layers])
         metrics |= moe.router_metrics(router, num_micro, cfg)
