@@ -109,6 +109,30 @@ def test_the_cuda_memory_report_restarts_its_peak_after_the_first_step(monkeypat
     assert "(compiling included) 300.0 MiB" in logger.lines[0] and "(since the first step) 200.0 MiB" in logger.lines[1]
 
 
+def test_an_eager_run_is_told_that_the_prediction_is_the_compiled_steps():
+    """The plan predicts the compiled step; an eager run's memory line must not read as a check of it."""
+    from lmfunc.plan import make_plan
+    from lmfunc.train.memory_watch import MemoryWatch
+
+    class Logger:
+        def __init__(self):
+            self.lines = []
+
+        def echo(self, line):
+            self.lines.append(line)
+
+        def record(self, kind, step, **values):
+            pass
+
+    cfg = TrainConfig(model=model_preset("tiny"), data=DataConfig(seq_length=8), run=RunConfig(micro_batch_size=2))
+    plan = make_plan(cfg.validate(1), 1)
+    compiled, eager = Logger(), Logger()
+    MemoryWatch(plan, torch.device("cpu")).report(compiled, 1, "first step")
+    MemoryWatch(plan, torch.device("cpu"), compiled=False).report(eager, 1, "first step")
+    assert "predicted step peak" in compiled.lines[0] and "eager" not in compiled.lines[0]
+    assert eager.lines[0].endswith("(the plan is the compiled step's; this eager step keeps more)")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the device path itself is tested on "
                     "the meta device above; docs/performance.md has the GPU recipe")
 def test_training_on_cuda(tmp_path):

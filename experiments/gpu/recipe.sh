@@ -6,7 +6,11 @@
 # Phase 1 runs the plan, the device tests, a bf16 and a TF32 training run and a one-process
 # torchrun (NCCL) run side by side (their compiles share the CPU; their tok/s share the GPU).
 # Phases 2 and 3 run the train-step benchmark alone: the default workload, then GPT-2 small.
-# All three can take 11 minutes, past one device call's 10: PHASES picks some, e.g.
+# Phase 4 is the mixture-of-experts part: the deepseek-v3-tiny and moe-small presets train on cuda
+# (bf16, eager; the device tests beside them), then experiments.probes.moe_vs_dense times MoE
+# against dense, dropless against capacity, eager, and compiled without dropless (the 2.11 copy
+# cannot compile the grouped matmul's custom op: torch211.py), at a GPU-sized shape.
+# All four can take 18 minutes, past one device call's 10: PHASES picks some, e.g.
 #   PHASES="1" bash experiments/gpu/recipe.sh, then PHASES="2 3" in a second call.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,6 +25,7 @@ fi
 python3 -m experiments.gpu.torch211 /tmp/lmfunc211 || exit 1
 cd /tmp/lmfunc211 || exit 1
 export PYTHONPATH=/tmp/lmfunc211:${PYTHONPATH:-}
+python3 -c "import lmfunc.train, lmfunc.plan, experiments.bench, experiments.probes.moe_vs_dense" || exit 1
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
@@ -54,5 +59,23 @@ timeout 220 python3 -m experiments.bench --device cuda --variants func-compiled 
     --steps 15 --layers 12 --heads 12 --hidden 768 --seq 1024 --vocab 50304 >> "$OUT/bench.log" 2>&1
 tail -n 12 "$OUT/bench.log"
 fi
+if runs_phase 4; then
+echo "phase 4 $(date +%T)"
+moe_run() {  # moe_run PRESET: 200 eager bf16 steps of the preset on cuda
+    timeout 150 python3 -m lmfunc.train --preset "$1" --run.device cuda --precision.compute-dtype bf16 --run.no-compile \
+        --data.seq-length 256 --run.micro-batch-size 32 --run.global-batch-size 32 --run.train-iters 200 \
+        --log.log-interval 50 --log.no-progress-bar --run.out-dir "/tmp/runs/$1" > "$OUT/train_$1.log" 2>&1
+}
+moe_run deepseek-v3-tiny &
+moe_run moe-small &
+timeout 150 python3 -m pytest -q tests/test_device.py -rs -p no:cacheprovider > "$OUT/pytest.log" 2>&1 &
+wait
+tail -n 4 "$OUT"/train_*.log "$OUT/pytest.log"
+probe="python3 -m experiments.probes.moe_vs_dense --device cuda --dtype bf16 --hidden 1024 --experts 16 --expert-ffn 1024 --batch 16 --seq 1024"
+timeout 100 $probe --rounds 12 --json "$OUT/moe_eager.json" > "$OUT/moe_vs_dense.log" 2>&1
+timeout 200 $probe --rounds 12 --compile --variants 1.0 1.25 --json "$OUT/moe_compiled.json" >> "$OUT/moe_vs_dense.log" 2>&1
+cat "$OUT/moe_vs_dense.log" | grep -v Warning
+fi
+
 (cd /tmp && find runs -name log.jsonl | tar czf "$OUT/runs.tar.gz" -T -)
 echo "done $(date +%T)"

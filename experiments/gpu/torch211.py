@@ -2,15 +2,20 @@
 machines' image (lmfunc pins 2.13; a CUDA build of 2.13 is too large to carry there).
 
 ``python -m experiments.gpu.torch211 DEST`` copies ``lmfunc/``, ``experiments/``, ``tests/`` and
-``pyproject.toml`` to DEST and applies three edits to the copy, never to this checkout:
+``pyproject.toml`` to DEST and applies four edits to the copy, never to this checkout:
 
-1. ``lmfunc.grad.value_and_grad`` differentiates through ``torch.func.grad_and_value``: torch
-   2.11's Dynamo refuses the ``requires_grad_()`` on fresh leaves that lmfunc's own version
-   traces under 2.13. torch.func hides the DTensor API, so the copy is for plain-tensor (one
-   process, or data-parallel-free) runs; its losses equal the pinned torch's on the default job.
+1. ``lmfunc.grad.value_and_grad`` differentiates through ``torch.func.grad_and_value`` while
+   Dynamo traces it: torch 2.11's Dynamo refuses the ``requires_grad_()`` on fresh leaves that
+   lmfunc's own version traces under 2.13. Eagerly it keeps lmfunc's ``torch.autograd.grad``.
+   torch.func takes only tensors as aux, so the aux's other leaves (``None``) pass around it;
+   it hides the DTensor API, so compiled runs of the copy are for plain tensors (one process).
+   torch.func on 2.11 also refuses custom ops' autograd (``lmfunc::grouped_mm``), so a compiled
+   dropless MoE step needs 2.13; eager MoE runs and compiled capacity-factor MoE work.
 2. The two post-grad passes (recompute, reversed scans) are chained in one pass object: 2.11's
    Inductor takes one callable where 2.13 takes a list.
 3. ``collective_buckets`` imports ``_resolve_group_name`` only where it exists (2.13 added it).
+4. ``saved_values`` sizes a value with ``hint_int`` where ``optimization_hint`` (2.13) is missing;
+   both give a size's hint, or the fallback for an unbacked one.
 
 Each edit must match exactly once, or the script stops and names the file: a changed source
 needs this script updated, not a silently unpatched copy.
@@ -27,16 +32,25 @@ COPIED = ("lmfunc", "experiments", "tests", "pyproject.toml")
 
 GRAD_OLD_START = "        inputs = [\n"
 GRAD_OLD_END = "        grad_iter = iter(grads_wrt)\n"
-GRAD_NEW = '''        def of_differentiable(wrt: list) -> tuple[Any, Any]:
-            it = iter(wrt)
-            new_args = list(args)
-            new_args[argnum] = tree_unflatten_as(
-                args[argnum], [next(it) if diff else x for x, diff in zip(leaves, differentiable)])
-            out = fn(*new_args, **kwargs)
-            return out if has_aux else (out, None)
+GRAD_COMPILED = '''        if torch.compiler.is_compiling():
+            aux_layout = {}
 
-        wrt = [x for x, diff in zip(leaves, differentiable) if diff]
-        grads_wrt, (value, aux) = torch.func.grad_and_value(of_differentiable, has_aux=True)(wrt)
+            def of_differentiable(wrt: list) -> tuple[Any, Any]:
+                it = iter(wrt)
+                new_args = list(args)
+                new_args[argnum] = tree_unflatten_as(
+                    args[argnum], [next(it) if diff else x for x, diff in zip(leaves, differentiable)])
+                out = fn(*new_args, **kwargs)
+                value, aux = out if has_aux else (out, None)
+                aux_layout["leaves"], aux_layout["spec"] = torch.utils._pytree.tree_flatten(aux)
+                return value, [x for x in aux_layout["leaves"] if isinstance(x, torch.Tensor)]
+
+            wrt = [x for x, diff in zip(leaves, differentiable) if diff]
+            grads_wrt, (value, aux_tensors) = torch.func.grad_and_value(of_differentiable, has_aux=True)(wrt)
+            aux_iter = iter(aux_tensors)
+            aux = torch.utils._pytree.tree_unflatten(
+                [next(aux_iter) if isinstance(x, torch.Tensor) else x for x in aux_layout["leaves"]], aux_layout["spec"])
+        else:
 '''
 
 PASSES_OLD = ('    options: dict[str, Any] = {"post_grad_custom_pre_pass": '
@@ -62,6 +76,10 @@ BUCKETS_NEW = ("try:\n    from torch._inductor.fx_passes.bucketing import _resol
                "except ImportError:\n    _resolve_group_name = None\n"
                "from torch._inductor.fx_passes.bucketing import (\n")
 
+HINT_OLD = "from torch.fx.experimental.symbolic_shapes import optimization_hint\n"
+HINT_NEW = ("try:\n    from torch.fx.experimental.symbolic_shapes import optimization_hint\n"
+            "except ImportError:\n    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint\n")
+
 
 def replace_once(path: Path, old: str, new: str) -> None:
     """Replace the one occurrence of ``old`` in ``path``; stop with the file's name otherwise."""
@@ -77,7 +95,8 @@ def patch_grad(path: Path) -> None:
     start, end = text.find(GRAD_OLD_START), text.find(GRAD_OLD_END)
     if text.count(GRAD_OLD_START) != 1 or text.count(GRAD_OLD_END) != 1 or end < start:
         sys.exit(f"torch211: value_and_grad's gradient lines not found in {path}; update experiments/gpu/torch211.py")
-    path.write_text(text[:start] + GRAD_NEW + text[end:])
+    eager = "".join("    " + line if line.strip() else line for line in text[start:end].splitlines(keepends=True))
+    path.write_text(text[:start] + GRAD_COMPILED + eager + text[end:])
 
 
 def make_copy(dest: Path) -> None:
@@ -100,6 +119,7 @@ def make_copy(dest: Path) -> None:
     patch_grad(dest / "lmfunc" / "grad.py")
     replace_once(dest / "lmfunc" / "compiler" / "compiling.py", PASSES_OLD, PASSES_NEW)
     replace_once(dest / "lmfunc" / "compiler" / "collective_buckets.py", BUCKETS_OLD, BUCKETS_NEW)
+    replace_once(dest / "lmfunc" / "compiler" / "saved_values.py", HINT_OLD, HINT_NEW)
 
 
 if __name__ == "__main__":

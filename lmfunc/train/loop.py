@@ -178,7 +178,7 @@ class _Run:
         processes = dist.get_world_size() if dist.is_initialized() else 1
         plan = make_plan(cfg, processes)
         self.logger.echo(format_plan(plan))
-        self.memory_watch = MemoryWatch(plan, layout.device)
+        self.memory_watch = MemoryWatch(plan, layout.device, compiled=cfg.run.compile)
         peak, peak_source = peak_flops(layout.device, cfg.precision.compute_dtype, cfg.precision.tf32, cfg.log.peak_flops)
         self.peak_flops = peak * processes
         self.flops_token = plan.flops_per_token

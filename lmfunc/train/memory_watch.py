@@ -7,7 +7,9 @@ the default job on an H200; Inductor also benchmarks kernel configurations on th
 so the peak counter restarts after that report, and the end report is the peak of the steps after it. On
 the CPU it is the process's peak RSS, which also holds the Python runtime, torch's libraries and
 the compiler's working memory; the RSS measured before the model was built is logged beside it,
-so ``baseline + predicted`` is the figure to compare.
+so ``baseline + predicted`` is the figure to compare. The plan predicts the compiled step; an
+eager step (``--run.no-compile``) keeps every autograd intermediate, so its report says that the
+prediction is not its own.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ MiB = 2**20
 class MemoryWatch:
     """Created before the model is built (the CPU baseline RSS is read then)."""
 
-    def __init__(self, plan: Plan, device: torch.device) -> None:
+    def __init__(self, plan: Plan, device: torch.device, compiled: bool = True) -> None:
         self.device = device
+        self.compiled = compiled
         self.predicted_mib: Optional[float] = plan.lmfunc.peak / MiB if plan.lmfunc is not None else None
         self.baseline_rss_mib = memory_stats_mib().get("rss")
 
@@ -49,6 +52,8 @@ class MemoryWatch:
             predicted = (f"predicted step peak {self.predicted_mib:,.1f} MiB + {values['baseline_rss_mib']:,.1f} MiB "
                          f"RSS before the model = {self.predicted_mib + values['baseline_rss_mib']:,.1f} MiB"
                          if self.predicted_mib is not None else "")
+        if predicted and not self.compiled:
+            predicted += " (the plan is the compiled step's; this eager step keeps more)"
         logger.echo(f"memory ({when}, step {step}): {measured}" + (f"; {predicted}" if predicted else ""))
         logger.record("memory", step, when=when, **values)
         if self.device.type == "cuda" and when == "first step":
