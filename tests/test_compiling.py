@@ -244,3 +244,17 @@ def test_a_backward_run_twice_is_right_after_the_cache_saw_the_donated_compile(t
     _run_script(RETAINED_BACKWARD.replace("MODE", "'donated'"), tmp_path)
     errors = _run_script(RETAINED_BACKWARD.replace("MODE", "'retained'"), tmp_path)["errors"]
     assert len(errors) == 4 and max(errors) < 1e-5, errors
+
+
+def test_a_step_with_run_time_sizes_compiles_without_inductors_peak_memory_reordering(monkeypatch):
+    """Inductor's peak-memory reordering counts a buffer whose size is known only at run time as 0
+    bytes and would move such backward values into the forward; a graph with such sizes (Dynamo's
+    ``unbacked_bindings``) compiles with it off, any other graph with the options it was given."""
+    seen = []
+    monkeypatch.setattr(torch._inductor, "compile", lambda graph, fakes, options: seen.append(options))
+    graph = torch.fx.symbolic_trace(lambda x: x + 1)
+    compiling._compile_static(graph, [torch.ones(2)], {"keep": 1})
+    next(iter(graph.graph.nodes)).meta["unbacked_bindings"] = {"u0": ()}
+    compiling._compile_static(graph, [torch.ones(2)], {"keep": 1})
+    assert seen == [{"keep": 1}, {"keep": 1, **compiling.DATA_DEPENDENT_SIZE_OPTIONS}]
+    assert compiling.DATA_DEPENDENT_SIZE_OPTIONS == {"reorder_for_peak_memory": False}

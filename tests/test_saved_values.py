@@ -72,6 +72,25 @@ def test_min_cut_never_recomputes_matmuls_or_random_ops_and_honours_tags():
     assert choose_recompute(graph) == {nodes["c"]}
 
 
+def test_a_scalar_read_back_from_a_tensor_does_not_stop_the_cut():
+    """Expert parallelism reads its all-to-all's split sizes back from a tensor (unbacked SymInts)
+    and its backward reuses them. Such a scalar is free to keep: the cut must still recompute the
+    pointwise ops (before, an unstorable scalar made the cut unbounded and everything was kept)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    graph, nodes = silu_mlp_graph()
+    with graph.inserting_after(nodes["y"]):
+        size = graph.call_function(aten._local_scalar_dense.default, (nodes["y"],))
+    size.meta["val"] = ShapeEnv().create_unbacked_symint()
+    size.meta["autograd_backward"] = False
+    grad_a = next(node for node in reversed(graph.nodes) if node.op == "output").args[0][2]
+    with graph.inserting_after(grad_a):
+        scaled = _node(graph, aten.mul.Tensor, (grad_a, size), (N, F), backward=True)
+    output = next(node for node in graph.nodes if node.op == "output")
+    output.args = ((output.args[0][0], output.args[0][1], scaled),)
+    assert choose_recompute(graph) == {nodes["s"], nodes["c"]}
+
+
 def test_no_backward_means_nothing_to_recompute():
     graph, _ = silu_mlp_graph()
     for node in graph.nodes:

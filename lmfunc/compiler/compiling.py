@@ -67,6 +67,14 @@ def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
     return backend
 
 
+DATA_DEPENDENT_SIZE_OPTIONS = {"reorder_for_peak_memory": False}
+"""Inductor settings for a step with sizes known only at run time (the rows expert parallelism's
+all-to-all delivers). Inductor's reordering for peak memory counts a buffer of such a size as 0
+bytes, so it computes backward values of that size (the experts' recomputed activations, copies
+of their rows) during the forward and holds them until the backward (docs/performance.md,
+"Expert parallelism, dropless")."""
+
+
 def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, Any]) -> Callable:
     """``torch._inductor.compile`` of ``graph`` for ``args`` after Dynamo's own tracing context is
     gone, in a fresh one: the arguments as static-shaped fake tensors of a fake mode with an
@@ -77,8 +85,11 @@ def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    data_dependent = False
     for node in graph.graph.nodes:
-        node.meta.pop("unbacked_bindings", None)
+        data_dependent |= node.meta.pop("unbacked_bindings", None) is not None
+    if data_dependent:
+        options = {**options, **DATA_DEPENDENT_SIZE_OPTIONS}
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with tracing(TracingContext(fake_mode)):
         fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]

@@ -15,6 +15,7 @@ backward pass.
 from __future__ import annotations
 
 import operator
+import warnings
 
 import networkx as nx
 import torch
@@ -60,13 +61,18 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _bytes(node: fx.Node) -> int | None:
-    """Bytes of the node's value, or None when it is not a single tensor (cannot be stored). A size
-    known only at run time (expert parallelism's received rows: an unbacked size) is estimated
-    with Inductor's ``unbacked_symint_fallback`` for each unknown, without adding a guard."""
+    """Bytes of the node's value: 0 for a host scalar (an ``int``/``float``/``bool`` or its symbolic
+    form, such as the split sizes that expert parallelism's all-to-all reads back from a tensor and
+    its backward reuses: free to keep, and never recomputable), None when it is neither a single
+    tensor nor a scalar (cannot be stored). A size known only at run time (an unbacked size, such as
+    the rows an expert-parallel rank receives) is estimated with Inductor's
+    ``unbacked_symint_fallback`` for each unknown, without adding a guard."""
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
         fallback = torch._inductor.config.unbacked_symint_fallback
         return optimization_hint(value.numel(), fallback=fallback) * value.element_size()
+    if isinstance(value, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return 0
     return None
 
 
@@ -116,6 +122,11 @@ def choose_recompute(graph: fx.Graph) -> set[fx.Node]:
     try:
         _, (source_side, _) = nx.minimum_cut(flow, "source", "sink")
     except nx.NetworkXUnbounded:  # a value that can be neither stored nor recomputed: keep the graph
+        stuck = [node.name for node in forward if _bytes(node) is None and not recomputable(node)
+                 and any(is_backward(user) for user in node.users)]
+        warnings.warn(f"lmfunc.compiler.saved_values: the backward reads forward values that can be neither "
+                      f"stored nor recomputed ({', '.join(stuck) or 'through views'}); the step keeps every "
+                      "forward value its backward reads, which takes more memory than the plan predicts")
         return {node for node in forward if must_recompute(node)}
     return {node for node in forward if (node.name, "in") not in source_side}
 

@@ -111,13 +111,11 @@ ROUTER_VALUES_PER_EXPERT = 3
 """fp32 values an MoE layer keeps per token and expert: the router's logits and the scores of the
 routing and of the balancing losses."""
 
-EXPERT_PARALLEL_NOTE = ("dropless experts over ep are predicted with the one-process MoE values; measured on the CPU, "
-                        "the compiled step's peak was 17-19% above this (docs/performance.md)")
-"""Measured on two MoE configs on dp_shard 2 x ep 2 (the same configs on dp_shard 2 without ep: within
-0.2%; with a capacity factor of 1.0 on ep 2: 13% below the prediction). The received rows per rank
-differ from one process's by at most 9% per layer, which does not explain it; the dropless
-exchange's data-dependent sizes, which the compiled step only knows at run time, are the
-suspect."""
+EXPERT_PARALLEL_NOTE = ("dropless experts over ep are predicted at an even share of the routed rows per rank; the "
+                        "most-loaded rank receives more (measured on the CPU: 0.2% and 8% above; docs/performance.md)")
+"""The plan's one assumption about routing under ep: the rows a rank's experts receive depend on
+where the router sends the tokens, which the plan cannot know, so it counts an even share. The
+measured cases are in docs/performance.md."""
 
 MLA_VALUES = {"query_key": 2, "value": 2, "q_latent": 2, "kv_latent": 1.5, "probabilities": 1}
 """Values a multi-head latent attention layer keeps per token (compute dtype), in place of the
