@@ -112,7 +112,7 @@ ROUTER_VALUES_PER_EXPERT = 3
 routing and of the balancing losses."""
 
 EXPERT_PARALLEL_NOTE = ("dropless experts over ep are predicted at an even share of the routed rows per rank; the "
-                        "most-loaded rank receives more (measured on the CPU: 0.2% and 8% above; docs/performance.md)")
+                        "most-loaded rank receives more (docs/performance.md)")
 """The plan's one assumption about routing under ep: the rows a rank's experts receive depend on
 where the router sends the tokens, which the plan cannot know, so it counts an even share. The
 measured cases are in docs/performance.md."""
