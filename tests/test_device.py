@@ -81,6 +81,19 @@ def test_gpu_peak_flops_table():
     assert peak_flops(torch.device("cpu"), "fp32", False, 5e9) == (5e9, "configured (log.peak_flops)")
 
 
+class RecordingLogger:
+    """The two ``RunLogger`` methods ``MemoryWatch.report`` calls, keeping what it echoes and records."""
+
+    def __init__(self):
+        self.lines, self.records = [], []
+
+    def echo(self, line):
+        self.lines.append(line)
+
+    def record(self, kind, step, **values):
+        self.records.append(values)
+
+
 def test_the_cuda_memory_report_restarts_its_peak_after_the_first_step(monkeypatch):
     """The first step's CUDA peak includes compiling; the end report must be the steps' own peak."""
     from lmfunc.plan import make_plan
@@ -91,17 +104,8 @@ def test_the_cuda_memory_report_restarts_its_peak_after_the_first_step(monkeypat
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 400 * 2**20)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: resets.append(a))
 
-    class Logger:
-        lines, records = [], []
-
-        def echo(self, line):
-            self.lines.append(line)
-
-        def record(self, kind, step, **values):
-            self.records.append(values)
-
     cfg = TrainConfig(model=model_preset("tiny"), data=DataConfig(seq_length=8), run=RunConfig(micro_batch_size=2))
-    watch, logger = MemoryWatch(make_plan(cfg.validate(1), 1), torch.device("cuda")), Logger()
+    watch, logger = MemoryWatch(make_plan(cfg.validate(1), 1), torch.device("cuda")), RecordingLogger()
     first = watch.report(logger, 1, "first step")
     assert len(resets) == 1
     end = watch.report(logger, 9, "end")
@@ -114,19 +118,9 @@ def test_an_eager_run_is_told_that_the_prediction_is_the_compiled_steps():
     from lmfunc.plan import make_plan
     from lmfunc.train.memory_watch import MemoryWatch
 
-    class Logger:
-        def __init__(self):
-            self.lines = []
-
-        def echo(self, line):
-            self.lines.append(line)
-
-        def record(self, kind, step, **values):
-            pass
-
     cfg = TrainConfig(model=model_preset("tiny"), data=DataConfig(seq_length=8), run=RunConfig(micro_batch_size=2))
     plan = make_plan(cfg.validate(1), 1)
-    compiled, eager = Logger(), Logger()
+    compiled, eager = RecordingLogger(), RecordingLogger()
     MemoryWatch(plan, torch.device("cpu")).report(compiled, 1, "first step")
     MemoryWatch(plan, torch.device("cpu"), compiled=False).report(eager, 1, "first step")
     assert "predicted step peak" in compiled.lines[0] and "eager" not in compiled.lines[0]

@@ -70,8 +70,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--experts", type=int, default=None)
     parser.add_argument("--expert-ffn", type=int, default=None)
-    parser.add_argument("--variants", nargs="+", default=None,
-                        help="a subset of: dense, dropless, 1.0, 1.25 (dense always runs, as the reference)")
+    parser.add_argument("--variants", nargs="+", default=None, choices=("dense", "dropless", "1.0", "1.25"),
+                        help="a subset of the variants (dense always runs, as the reference)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
