@@ -116,3 +116,26 @@ def test_cli_reports_every_repeat_and_writes_them_to_json(capsys, tmp_path):
     runs = saved["runs"]["func-eager"]
     assert len(runs) == 2 and all(run["peak_mib"] > 0 and run["first_loss"] > 0 for run in runs)
     assert saved["results"]["func-eager"]["peak_mib"] == pytest.approx(statistics.median(run["peak_mib"] for run in runs))
+
+
+@pytest.mark.parametrize("memory_mode, keep, kept", [(False, True, True), (True, True, False), (False, False, False)])
+def test_workers_keep_freed_host_memory_as_the_main_job_does(monkeypatch, capsys, memory_mode, keep, kept):
+    """A worker keeps freed host memory (``run.keep_host_memory``'s default) unless told not to, or
+    in memory mode, whose RSS must follow live memory; ``_spawn`` hands both settings on."""
+    from experiments.bench import train_step
+
+    calls, spawned = [], []
+    monkeypatch.setattr("lmfunc.train.host_memory.keep_freed_host_memory", lambda *args: calls.append(args))
+    monkeypatch.setattr(train_step, "run_worker", lambda bc: {"variant": bc.worker})
+    main(BenchConfig(worker="func-eager", memory_mode=memory_mode, keep_host_memory=keep, **SMALL))
+    assert json.loads(capsys.readouterr().out) == {"variant": "func-eager"} and bool(calls) == kept
+
+    def run(args, env, **kwargs):
+        spawned.append((args, env))
+        return type("Done", (), {"returncode": 0, "stdout": "{}\n", "stderr": ""})()
+
+    monkeypatch.setattr(train_step.subprocess, "run", run)
+    train_step._spawn(BenchConfig(memory_mode=memory_mode, keep_host_memory=keep, **SMALL), "func-eager")
+    (args, env), = spawned
+    assert ("--memory-mode" in args) == memory_mode and ("MALLOC_MMAP_THRESHOLD_" in env) == memory_mode
+    assert ("--no-keep-host-memory" in args) == (not keep)

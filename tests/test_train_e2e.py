@@ -117,6 +117,17 @@ def test_exit_duration_stops_early(tiny_yaml, tmp_path):
     assert end["exit_reason"] == "exit_duration_in_mins" and end["step"] == 1
 
 
+@pytest.mark.parametrize("flags, calls", [([], [()]), (["--run.no-keep-host-memory"], [])])
+def test_the_run_keeps_freed_host_memory_unless_told_not_to(tiny_yaml, monkeypatch, flags, calls):
+    import lmfunc.train.loop
+
+    made = []
+    monkeypatch.setattr(lmfunc.train.loop, "keep_freed_host_memory", lambda *args: made.append(args))
+    train_main(["--config", tiny_yaml, "--run.name", "keep", "--run.no-compile", "--run.train-iters", "2", "--optim.lr-warmup-iters", "1",
+                "--run.eval-iters", "0", "--run.sample-tokens", "0", *flags])
+    assert made == calls
+
+
 def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tiny_yaml, tmp_path, capsys):
     train_main(["--config", tiny_yaml, "--run.name", "prof", "--run.no-compile", "--run.train-iters", "4", "--optim.lr-warmup-iters", "1",
                 "--run.eval-iters", "0", "--run.sample-tokens", "0", "--log.profile", "--log.profile-step-start", "2",

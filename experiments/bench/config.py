@@ -44,7 +44,12 @@ class BenchConfig:
     """func variants: ``make_train_step(donate_state=...)`` (the new state written into the old)."""
     memory_mode: bool = False
     """Run the workers with glibc's MALLOC_MMAP_THRESHOLD_=65536, so freed tensors go back to the OS
-    and RSS follows live tensor memory (the step-memory column is then exact; times are slower)."""
+    and RSS follows live tensor memory (the step-memory column is then exact; times are slower;
+    ``keep_host_memory`` is then off)."""
+    keep_host_memory: bool = True
+    """Workers keep freed host memory for reuse, as ``python -m lmfunc.train`` does by default
+    (``run.keep_host_memory``, ``lmfunc.train.host_memory``); off: glibc's defaults, which fault
+    blocks of 32 MiB or more in afresh on every step."""
     warm_cache: bool = False
     """Run each worker once, untimed, before the measured run with the same Inductor cache, so
     the measured run loads its compiled graphs instead of compiling them (a restarted job)."""

@@ -215,6 +215,10 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
             args += ["--no-donate"]
         if bc.scan_layers:
             args += ["--scan-layers"]
+        if bc.memory_mode:
+            args += ["--memory-mode"]
+        if not bc.keep_host_memory:
+            args += ["--no-keep-host-memory"]
         if variant == "paired":
             args += ["--variants", *bc.variants]
         if bc.warm_cache:
@@ -253,8 +257,11 @@ def main(bc: BenchConfig) -> None:
 
     from lmfunc.metrics import measure_matmul_peak_flops
     from lmfunc.plan.megatron import flops_per_token
+    from lmfunc.train.host_memory import keep_freed_host_memory
 
     if bc.worker is not None:
+        if bc.keep_host_memory and not bc.memory_mode:
+            keep_freed_host_memory()
         result = bench_paired.run_paired_worker(bc) if bc.worker == "paired" else run_worker(bc)
         print(json.dumps(result))
         return
@@ -276,7 +283,8 @@ def main(bc: BenchConfig) -> None:
           f"batch={bc.batch} fp32, {tokens} tokens/step, {where}, threads={bc.threads}, recompute={bc.recompute}, "
           f"cross_entropy_chunk_tokens={cfg.cross_entropy_chunk_tokens}, donate_state={bc.donate}, "
           f"scan_layers={bc.scan_layers}"
-          + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else "")
+          + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else
+             ", freed host memory kept" if bc.keep_host_memory else ", glibc's malloc defaults")
           + (", warm Inductor cache" if bc.warm_cache else ""))
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
     if bc.paired:

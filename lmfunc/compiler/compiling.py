@@ -29,6 +29,7 @@ from lmfunc.compiler.cpp_flags import gcc_flags_for_correct_kernels
 from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB, CollectiveBucketsPass
 from lmfunc.compiler.recompute_pass import RematPass
 from lmfunc.compiler.reversed_scan import ReversedScanPass
+from lmfunc.compiler.view_copies import SliceCopyPass
 
 
 def release_compile_garbage() -> None:
@@ -175,10 +176,11 @@ def with_own_code(fn: Callable) -> Callable:
 
 def inductor_options(choose_saved: bool, bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB) -> dict[str, Any]:
     """The Inductor config options of every lmfunc compile: the recompute pass on the step's
-    graph and the lowering of the backward's reversed scans (``reversed_scan``), then the
+    graph, the slice copies of scan bodies made fusible (``view_copies``) and the lowering of the
+    backward's reversed scans (``reversed_scan``), then the
     bucketing and overlap of its collectives (``collective_buckets``; all-reduce buckets of at
     most ``bucket_size_mb`` MiB; None: no such pass)."""
-    options: dict[str, Any] = {"post_grad_custom_pre_pass": [RematPass(choose_saved), ReversedScanPass()]}
+    options: dict[str, Any] = {"post_grad_custom_pre_pass": [RematPass(choose_saved), SliceCopyPass(), ReversedScanPass()]}
     if bucket_size_mb is not None:
         options["post_grad_custom_post_pass"] = CollectiveBucketsPass(bucket_size_mb)
     return options

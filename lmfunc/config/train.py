@@ -272,6 +272,11 @@ class RunConfig:
     calculate_per_token_loss: bool = True
     """Divide the whole batch's summed token loss once by its token count (Megatron's
     --calculate-per-token-loss); False averages per-microbatch means (Megatron's default)."""
+    keep_host_memory: bool = True
+    """Keep freed host memory in the process for the next step (glibc: no mmap for large blocks, no
+    trimming; ``lmfunc.train.host_memory``) instead of faulting fresh pages in on every step for
+    each block of 32 MiB or more. The process's RSS then stays at its peak. False keeps glibc's
+    defaults."""
 
 
 @dataclass(frozen=True)

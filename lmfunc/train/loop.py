@@ -32,6 +32,7 @@ from lmfunc.precision import check_for_nan_in_loss, compute_dtype, set_tf32
 from lmfunc.train.batch_plan import BatchPlan
 from lmfunc.train.grad_underflow import gradient_underflow
 from lmfunc.train.resume import check_writable, prepare_run_paths_on_every_rank, restore_state
+from lmfunc.train.host_memory import keep_freed_host_memory
 from lmfunc.train.run_checkpoints import RunCheckpoints
 from lmfunc.train.run_lock import RunLock
 from lmfunc.train.log import RunLogger, WandbSettings, router_layer_values, step_extras, train_line
@@ -85,6 +86,8 @@ def train(cfg: TrainConfig) -> RunResult:
         )
     device = resolve_device(cfg.run.device)
     set_tf32(cfg.precision.tf32)
+    if cfg.run.keep_host_memory:
+        keep_freed_host_memory()
     layout = build_mesh(cfg.parallel.sizes(world_size), device)
     if layout.mesh is None:
         return _train(cfg, tokenizer, layout)
