@@ -6,8 +6,7 @@ into a view and a copy (``view_copy``, ``permute_copy``, ...), but not ``aten.sl
 therefore runs as a separate ATen call on every iteration of the loop: RoPE's half-split slices of
 q and k, four per block forward and four backward. ``decompose_slice_copies`` rewrites each into
 ``aten.slice`` (a view) and a contiguous ``aten.clone``, which Inductor fuses into the kernel that
-reads it, as it does in the unrolled step. The values are the same element for element, so a
-compile cached before this pass ran is still right (only slower).
+reads it, as it does in the unrolled step. The values are the same, element for element.
 """
 
 from __future__ import annotations
