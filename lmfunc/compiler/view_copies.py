@@ -21,13 +21,15 @@ SLICE_COPY = aten.slice_copy.Tensor
 
 def decompose_slice_copies(gm: fx.GraphModule) -> int:
     """Replace every ``aten.slice_copy`` of ``gm`` and of its nested graph modules (the bodies of
-    its higher-order operators) by a contiguous ``clone`` of ``aten.slice``; returns how many."""
+    its higher-order operators) by a contiguous ``clone`` of ``aten.slice``; returns how many. A
+    node whose inputs carry no example value (``meta["val"]``) is left as it is."""
     rewritten = 0
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         graph = module.graph
-        nodes = graph.find_nodes(op="call_function", target=SLICE_COPY)
+        nodes = [node for node in graph.find_nodes(op="call_function", target=SLICE_COPY)
+                 if all("val" in arg.meta for arg in node.all_input_nodes)]
         for node in nodes:
             with graph.inserting_before(node):
                 view = graph.call_function(aten.slice.Tensor, node.args, node.kwargs)
