@@ -40,4 +40,5 @@ def keep_freed_host_memory(keep: bool = True) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     settings = KEEP if keep else GLIBC_GROWN_DEFAULTS
-    return all(mallopt(param, value) == 1 for param, value in settings.items())
+    taken = [mallopt(param, value) == 1 for param, value in settings.items()]
+    return all(taken)
