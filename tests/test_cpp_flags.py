@@ -41,24 +41,24 @@ extern "C"  void  kernel(const at::BFloat16* in_ptr0,
         int tid = omp_get_thread_num();
         {
             #pragma omp for
-            for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(128L); x0+=static_cast<int64_t>(32L))
+            for(int64_t x0=static_cast<int64_t>(0L); x0<static_cast<int64_t>(128L); x0+=static_cast<int64_t>(TILEL))
             {
-                for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(64L); x1+=static_cast<int64_t>(32L))
+                for(int64_t x1=static_cast<int64_t>(0L); x1<static_cast<int64_t>(64L); x1+=static_cast<int64_t>(TILEL))
                 {
                     {
                         if(C10_LIKELY(x0 >= static_cast<int64_t>(0) && x0 < static_cast<int64_t>(128L) && x1 >= static_cast<int64_t>(0) && x1 < static_cast<int64_t>(64L)))
                         {
-                            alignas(std::max(std::size_t(32), alignof(at::BFloat16))) at::BFloat16 tmp0[32*32];
-                            transpose_mxn<at::BFloat16,static_cast<int64_t>(32),static_cast<int64_t>(32),false>(in_ptr0 + static_cast<int64_t>(x0 + 128L*x1), static_cast<int64_t>(128L), tmp0, static_cast<int64_t>(32));
-                            alignas(std::max(std::size_t(32), alignof(at::BFloat16))) at::BFloat16 tmp16[32*32];
-                            transpose_mxn<at::BFloat16,static_cast<int64_t>(32),static_cast<int64_t>(32),false>(in_ptr3 + static_cast<int64_t>(x0 + 128L*x1), static_cast<int64_t>(128L), tmp16, static_cast<int64_t>(32));
-                            for (long x0_inner = 0; x0_inner < static_cast<int64_t>(32); x0_inner++)
+                            alignas(std::max(std::size_t(32), alignof(at::BFloat16))) at::BFloat16 tmp0[TILE*TILE];
+                            transpose_mxn<at::BFloat16,static_cast<int64_t>(TILE),static_cast<int64_t>(TILE),false>(in_ptr0 + static_cast<int64_t>(x0 + 128L*x1), static_cast<int64_t>(128L), tmp0, static_cast<int64_t>(TILE));
+                            alignas(std::max(std::size_t(32), alignof(at::BFloat16))) at::BFloat16 tmp16[TILE*TILE];
+                            transpose_mxn<at::BFloat16,static_cast<int64_t>(TILE),static_cast<int64_t>(TILE),false>(in_ptr3 + static_cast<int64_t>(x0 + 128L*x1), static_cast<int64_t>(128L), tmp16, static_cast<int64_t>(TILE));
+                            for (long x0_inner = 0; x0_inner < static_cast<int64_t>(TILE); x0_inner++)
                             {
-                                auto tmp1 = at::vec::Vectorized<at::BFloat16>::loadu(tmp0 + static_cast<int64_t>(32L*x0_inner), static_cast<int64_t>(32));
+                                auto tmp1 = at::vec::Vectorized<at::BFloat16>::loadu(tmp0 + static_cast<int64_t>(TILEL*x0_inner), static_cast<int64_t>(TILE));
                                 auto tmp3 = in_ptr1[static_cast<int64_t>(0L)];
-                                auto tmp12 = at::vec::VectorizedN<float,2>::loadu(in_ptr2 + static_cast<int64_t>(x1 + 64L*x0 + 64L*x0_inner), static_cast<int64_t>(32));
-                                auto tmp17 = at::vec::Vectorized<at::BFloat16>::loadu(tmp16 + static_cast<int64_t>(32L*x0_inner), static_cast<int64_t>(32));
-                                auto tmp20 = at::vec::VectorizedN<float,2>::loadu(in_ptr4 + static_cast<int64_t>(x1 + 64L*x0 + 64L*x0_inner), static_cast<int64_t>(32));
+                                auto tmp12 = at::vec::VectorizedN<float,2>::loadu(in_ptr2 + static_cast<int64_t>(x1 + 64L*x0 + 64L*x0_inner), static_cast<int64_t>(TILE));
+                                auto tmp17 = at::vec::Vectorized<at::BFloat16>::loadu(tmp16 + static_cast<int64_t>(TILEL*x0_inner), static_cast<int64_t>(TILE));
+                                auto tmp20 = at::vec::VectorizedN<float,2>::loadu(in_ptr4 + static_cast<int64_t>(x1 + 64L*x0 + 64L*x0_inner), static_cast<int64_t>(TILE));
                                 auto tmp2 = at::vec::convert<float,2,at::BFloat16,1>(tmp1);
                                 auto tmp4 = static_cast<float>(1.0);
                                 auto tmp5 = max_propagate_nan(tmp3, tmp4);
@@ -90,20 +90,36 @@ extern "C"  void  kernel(const at::BFloat16* in_ptr0,
 }
 '''
 """The kernel Inductor generated on AVX-512 for the TINY bf16 step with one output-layer chunk per
-microbatch (torch 2.13): the two microbatches' bf16 output-weight gradients ``[h, V]`` are read in
-transposed 32 x 32 tiles, widened, scaled by ``1 / max(in_ptr1[0], 1)`` over itself, added to the
-fp32 token-embedding gradients ``[V, h]`` and summed into the tied weight's fp32 gradient."""
+microbatch (torch 2.13), with its tile width as ``TILE``: the two microbatches' bf16 output-weight
+gradients ``[h, V]`` are read in transposed ``TILE x TILE`` tiles, widened, scaled by
+``1 / max(in_ptr1[0], 1)`` over itself, added to the fp32 token-embedding gradients ``[V, h]`` and
+summed into the tied weight's fp32 gradient. ``TILE`` is one ``Vectorized<BFloat16>``: 32 lanes on
+AVX-512 (the kernel as generated), 16 on AVX2 (where Inductor tiles the same loop by 16)."""
+
+ISA_BIT_WIDTHS = {"avx2": 256, "avx512": 512}
+"""The x86 vector ISAs Inductor picks from, by the width it compiles kernels for."""
 
 
-def test_the_tied_gradient_kernel_that_gave_nan_is_exact():
-    """Compiled as lmfunc compiles kernels, the kernel above gives the transposed sum exactly.
-    Without ``-fno-ipa-cp-clone``, GCC 12.2 on an AVX-512 machine got 7,900 of its 8,192 outputs
-    wrong (NaN among them), which is how the compiled bf16 step returned NaN gradients."""
+@pytest.mark.parametrize("isa_name", sorted(ISA_BIT_WIDTHS))
+def test_the_tied_gradient_kernel_that_gave_nan_is_exact(isa_name):
+    """Compiled as lmfunc compiles kernels for each vector ISA this CPU runs, the kernel above gives
+    the transposed sum exactly. Without ``-fno-ipa-cp-clone``, GCC 12.2 on an AVX-512 machine got
+    7,900 of its 8,192 outputs wrong (NaN among them), which is how the compiled bf16 step returned
+    NaN gradients. The AVX-512 case needs an AVX-512 CPU; the AVX2 case runs on both kinds."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.codecache import CppPythonBindingsCodeCache
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
+    bit_width = ISA_BIT_WIDTHS[isa_name]
+    runnable = {isa.bit_width() for isa in valid_vec_isa_list()}
+    if bit_width not in runnable:
+        pytest.skip(f"this CPU runs no {isa_name} kernels (Inductor's ISAs here: "
+                    f"{[str(isa) for isa in valid_vec_isa_list()]}); the case runs on a CPU that has them")
+    tile = bit_width // 16
+    source = TIED_GRADIENT_KERNEL.replace("TILE", str(tile))
     arg_types = ["const at::BFloat16*", "const float*", "const float*", "const at::BFloat16*", "const float*", "float*"]
-    with gcc_flags_for_correct_kernels():
-        kernel = CppPythonBindingsCodeCache.load_pybinding(arg_types, TIED_GRADIENT_KERNEL)
+    with gcc_flags_for_correct_kernels(), inductor_config.patch({"cpp.simdlen": bit_width}):
+        kernel = CppPythonBindingsCodeCache.load_pybinding(arg_types, source)
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):
         grad_a, grad_b = (torch.randn(64, 128, generator=generator).bfloat16() for _ in range(2))
