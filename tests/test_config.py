@@ -97,8 +97,15 @@ def test_unknown_preset_gets_a_did_you_mean():
          r"optim\.lr_warmup_samples \(200\) is longer than the decay .*run\.train_samples = 100"),
         (["--run.rampup-batch-size", "4", "4", "100"], r"run\.rampup_batch_size needs a sample-based run"),
         (["--run.train-samples", "100"], r"set exactly one of run\.train_iters .* and run\.train_samples"),
-        (["--parallel.tp", "2"], r"parallel sizes \(tp 2 = 2\) do not multiply to the world size 1; launch 2 processes"),
-        (["--parallel.ep", "2"], r"parallel\.ep \(2\) must divide parallel\.dp_shard \(1\): expert-parallel ranks are data-parallel"),
+        (["--parallel.tp", "2"], r"world size 1 is not divisible by the product of the other parallel sizes \(2\), so "
+         r"parallel\.dp_shard \(unset: the rest of the world\) cannot fill it; launch a multiple of 2 processes"),
+        (["--parallel.tp", "2", "--parallel.dp-shard", "1"],
+         r"parallel sizes \(tp 2 = 2\) do not multiply to the world size 1; launch 2 processes"),
+        (["--parallel.ep", "2"], r"parallel\.ep \(2\) must divide parallel\.dp_shard \(1, the rest of the world size 1\): "
+         r"expert-parallel ranks are data-parallel ranks .*; launch more processes"),
+        (["--parallel.ep", "2", "--parallel.dp-shard", "1"],
+         r"parallel\.ep \(2\) must divide parallel\.dp_shard \(1\): .*set --parallel\.dp-shard to a multiple of it"),
+        (["--parallel.tp", "0"], r"parallel\.tp must be a positive integer or -1 \(the rest of the world\), got 0"),
         (["--parallel.tp", "-1", "--parallel.dp-shard", "-1"], r"only one parallel size may be -1"),
     ],
 )

@@ -140,3 +140,75 @@ def test_every_readme_plan_command_runs(capsys):
         out = capsys.readouterr().out
         assert "Theoretical memory footprints" in out and "FLOPs per iteration" in out
         assert "peak step memory" in out or "not trainable yet" in out or "does not model this layout yet" in out
+
+
+REFUSED_MODEL_SETTINGS = [
+    # (model settings on top of a preset, the phrase the plan's --help and docs/scale_out.md use);
+    # the MLA cases take deepseek-v3-tiny's attention without its experts
+    ("deepseek-v3-tiny", dict(num_experts=None, qk_layernorm=True), "MLA with QK-norm"),
+    ("deepseek-v3-tiny", dict(num_experts=None, position_embedding_type="learned_absolute"), "learned positions"),
+    ("deepseek-v3-tiny", dict(num_experts=None, add_bias_linear=True), "linear biases"),
+    ("moe-small", dict(activation="gelu"), "non-SwiGLU experts"),
+    ("moe-small", dict(add_bias_linear=True), "linear biases"),
+    ("moe-small", dict(scan_layers=True), "scan_layers"),
+]
+"""Every model setting the trainer refuses (``lmfunc.config.model.unbuildable_features``)."""
+
+TRAINABLE_LAYOUTS = [dict(dp_replicate=2), dict(dp_shard=2), dict(tp=2), dict(pp=2), dict(cp=2), dict(ep=2)]
+"""Every mesh dim, each of which trains an MoE + MLA model (``deepseek-v3-tiny``) on 2 processes."""
+
+REFUSAL_CLAIM = re.compile(
+    r"\b(pp|cp|ep|tp|dp_shard|dp_replicate|MoE|MLA|pipeline|context|expert)\b[^.\n]{0,60}?"
+    r"(must be 1|for now|can(not|'t) (be )?train(ed)? yet|not (be )?trainable yet|are refused|is refused)",
+    re.IGNORECASE)
+
+
+def _help_text(module_main, capsys) -> str:
+    with pytest.raises(SystemExit):
+        module_main(["--help"])
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
+
+
+def test_what_the_docs_say_is_refused_is_what_validation_refuses(capsys, monkeypatch):
+    """The README, docs/scale_out.md and the ``--help`` of lmfunc.plan and lmfunc.train claim no
+    parallel layout, MoE or MLA is refused while the trainer's validation accepts each
+    (``TRAINABLE_LAYOUTS``); each model setting the validation refuses is refused by the trainer,
+    planned by lmfunc.plan and named by the plan's help and docs/scale_out.md; and the refusals
+    listed here are all that ``unbuildable_features`` finds in a model with every such setting."""
+    import dataclasses
+
+    from lmfunc.config import ConfigError, model_preset
+    from lmfunc.config.model import unbuildable_features
+    from lmfunc.config.parallel import ParallelConfig
+    from lmfunc.config.train import DataConfig, RunConfig, TrainConfig
+    from lmfunc.plan.__main__ import main as plan_main
+    from lmfunc.train.cli import parse_args
+
+    base = TrainConfig(model=dataclasses.replace(model_preset("deepseek-v3-tiny"), mtp_num_layers=0),
+                       data=DataConfig(seq_length=64), run=RunConfig(micro_batch_size=1, global_batch_size=4))
+    for layout in TRAINABLE_LAYOUTS:
+        base.replace(parallel=ParallelConfig(**layout)).validate(2)
+    plan_help = _help_text(plan_main, capsys)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    texts = {"plan --help": plan_help, "train --help": _help_text(parse_args, capsys)}
+    for name in ("README.md", "docs/scale_out.md"):
+        with open(os.path.join(ROOT, name)) as f:
+            texts[name] = " ".join(f.read().split())
+    for name, text in texts.items():
+        claims = [m.group(0) for m in REFUSAL_CLAIM.finditer(text)]
+        assert not claims, f"{name} says these are refused, but they train: {claims}"
+    with open(os.path.join(ROOT, "docs/scale_out.md")) as f:
+        scale_out = " ".join(f.read().split())
+    for preset, settings, phrase in REFUSED_MODEL_SETTINGS:
+        cfg = base.replace(model=dataclasses.replace(model_preset(preset), **settings))
+        assert len(unbuildable_features(cfg.model)) == 1, (preset, settings)
+        with pytest.raises(ConfigError, match="not implemented in this version of lmfunc"):
+            cfg.validate(1)
+        cfg.validate(1, planning=True)
+        assert phrase in plan_help and phrase in scale_out, phrase
+    everything = {preset: {} for preset, _, _ in REFUSED_MODEL_SETTINGS}
+    for preset, settings, _ in REFUSED_MODEL_SETTINGS:
+        everything[preset].update(settings)
+    listed = len(REFUSED_MODEL_SETTINGS)
+    found = sum(len(unbuildable_features(dataclasses.replace(model_preset(p), **s))) for p, s in everything.items())
+    assert found == listed, "unbuildable_features refuses a setting this test does not list"

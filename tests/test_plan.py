@@ -253,10 +253,35 @@ def test_cli_errors_are_clear(capsys):
     with pytest.raises(SystemExit) as exit_info:
         plan_main(WORKED_FLAGS + ["--parallel.tp", "2", "--world-size", "3"])
     assert exit_info.value.code == 2
+    assert "world size 3 is not divisible by the product of the other parallel sizes (2)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_main(WORKED_FLAGS + ["--parallel.tp", "2", "--parallel.dp-shard", "1", "--world-size", "3"])
     assert "do not multiply to the world size 3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         plan_main(WORKED_FLAGS + ["--world-size", "0"])
     assert "--world-size must be positive" in capsys.readouterr().err
+    for bad in ("0", "-2"):
+        with pytest.raises(SystemExit):
+            plan_main(WORKED_FLAGS + ["--parallel.tp", bad])
+        assert f"parallel.tp must be a positive integer or -1 (the rest of the world), got {bad}" in capsys.readouterr().err
+
+
+def test_a_size_of_minus_one_and_an_unset_dp_shard_are_the_rest_of_the_world():
+    """``-1`` takes the world size over the other sizes (pp -1 on 2 ranks is a 2-stage pipeline,
+    checked as one); an unset dp_shard does so when no size is -1 (Megatron's data-parallel size),
+    with the ep ranks carved out of it; explicit sizes must still multiply."""
+    pp_rest = WORKED.replace(parallel=ParallelConfig(pp=-1), run=RunConfig(micro_batch_size=2, global_batch_size=8))
+    assert pp_rest.validate(2).parallel.pp == 2 and pp_rest.validate(2).parallel.dp_shard == 1
+    assert pp_rest.validate(1).parallel.pp == 1
+    with pytest.raises(ConfigError, match=r"model.num_layers \(2\) is not divisible by the pipeline's stages .* = 4\)"):
+        pp_rest.validate(4)
+    tp2 = WORKED.replace(parallel=ParallelConfig(tp=2)).validate(8)
+    assert (tp2.parallel.tp, tp2.parallel.dp_shard, tp2.run.global_batch_size) == (2, 4, 4 * WORKED.run.micro_batch_size)
+    assert ParallelConfig(ep=2).sizes(2) == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "ep": 2, "cp": 1, "tp": 1}
+    assert ParallelConfig(dp_replicate=2, tp=-1).sizes(8)["dp_shard"] == 1
+    assert ParallelConfig(tp=2, dp_shard=-1).resolved(6) == ParallelConfig(tp=2, dp_shard=3)
+    with pytest.raises(ConfigError, match=r"parallel sizes \(dp_shard 2 x tp 2 = 4\) do not multiply to the world size 8"):
+        ParallelConfig(tp=2, dp_shard=2).sizes(8)
 
 
 def test_a_cuda_plan_counts_cublas_workspace(monkeypatch):

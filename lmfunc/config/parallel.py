@@ -3,6 +3,7 @@ an argument; nothing here touches torch.distributed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -15,24 +16,41 @@ carved out of the data-parallel ranks: on the mesh, ``parallel.dp_shard`` is fac
 ``dp_shard / ep`` (outer, still called ``dp_shard``) times ``ep`` (``ParallelConfig.sizes``)."""
 
 
-def resolve_sizes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
-    """Replace one ``-1`` size by ``world_size / product(other sizes)``; check the product.
+def check_sizes(sizes: dict[str, Optional[int]]) -> None:
+    """Refuse a size that is neither a positive integer, -1 ("the rest") nor unset, naming it."""
+    for name, size in sizes.items():
+        if size in (None, -1):
+            continue
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"parallel.{name} must be a positive integer or -1 (the rest of the world), got {size!r}")
 
-    ``sizes`` maps the names of ``MESH_DIMS`` to sizes. Errors name the sizes and the world size.
+
+def resolve_sizes(sizes: dict[str, Optional[int]], world_size: int) -> dict[str, int]:
+    """Replace one ``-1`` size (or, when no size is -1, an unset ``None`` one) by
+    ``world_size / product(other sizes)``; check the product.
+
+    ``sizes`` maps the names of ``MESH_DIMS`` to sizes; ``None`` (the default ``parallel.dp_shard``)
+    is "the rest of the world" unless another size is -1, then 1. Errors name the sizes and the
+    world size.
     """
     wild = [name for name, size in sizes.items() if size == -1]
     if len(wild) > 1:
         raise ConfigError(f"only one parallel size may be -1 ('the rest'), got -1 for {', '.join('parallel.' + n for n in wild)}")
-    for name, size in sizes.items():
-        if size != -1 and (not isinstance(size, int) or size < 1):
-            raise ConfigError(f"parallel.{name} must be a positive integer or -1, got {size!r}")
-    known = math.prod(size for size in sizes.values() if size != -1)
-    resolved = dict(sizes)
-    if wild:
+    unset = [name for name, size in sizes.items() if size is None]
+    resolved = {name: (1 if size is None and wild else size) for name, size in sizes.items()}
+    rest = wild or unset[:1]
+    for name in unset[1:]:
+        resolved[name] = 1
+    check_sizes({name: size for name, size in resolved.items() if name not in rest})
+    if rest:
+        name = rest[0]
+        known = math.prod(size for other, size in resolved.items() if other != name)
+        how = "= -1" if wild else "(unset: the rest of the world)"
         if world_size % known:
             raise ConfigError(f"world size {world_size} is not divisible by the product of the other parallel sizes "
-                              f"({known}), so parallel.{wild[0]} = -1 cannot fill it")
-        resolved[wild[0]] = world_size // known
+                              f"({known}), so parallel.{name} {how} cannot fill it; launch a multiple of {known} "
+                              f"processes (torchrun --nproc-per-node {known}) or change the sizes")
+        resolved[name] = world_size // known
     product = math.prod(resolved.values())
     if product != world_size:
         layout = " x ".join(f"{name} {size}" for name, size in resolved.items() if size > 1) or "all sizes 1"
@@ -68,12 +86,15 @@ def check_divisibility(sizes: dict[str, int], model: ModelConfig, seq_length: Op
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh sizes (launch with ``torchrun --nproc-per-node N``); one size may be -1, "the rest"."""
+    """Mesh sizes (launch with ``torchrun --nproc-per-node N``); one size may be -1, "the rest", and
+    an unset ``dp_shard`` is the rest of the world (Megatron's data-parallel size, torchtitan's
+    ``dp_shard = -1``)."""
 
     dp_replicate: int = 1
     """Data-parallel replicas (DDP-style: parameters replicated, gradients all-reduced)."""
-    dp_shard: int = 1
-    """Data-parallel shards (FSDP / distributed optimizer: parameters, gradients and optimizer state sharded)."""
+    dp_shard: Optional[int] = None
+    """Data-parallel shards (FSDP / distributed optimizer: parameters, gradients and optimizer state
+    sharded). Unset: the world size over the other sizes (1 when another size is -1)."""
     tp: int = 1
     """Tensor-parallel size (attention heads, MLP width and vocabulary split; see model.sequence_parallel)."""
     pp: int = 1
@@ -118,11 +139,22 @@ class ParallelConfig:
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ConfigError(f"parallel.ep must be a positive integer, got {self.ep!r}")
         if sizes["dp_shard"] % self.ep:
-            raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp_shard ({sizes['dp_shard']}): expert-parallel "
-                              "ranks are data-parallel ranks (Megatron's layout); make dp_shard a multiple of ep")
+            rest = self.dp_shard == -1 or (self.dp_shard is None and -1 not in (self.pp, self.dp_replicate, self.cp, self.tp))
+            given = f", the rest of the world size {world_size}" if rest else ""
+            fix = ("launch more processes or lower the other sizes" if rest else "set --parallel.dp-shard to a multiple of it")
+            raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp_shard ({sizes['dp_shard']}{given}): "
+                              "expert-parallel ranks are data-parallel ranks (Megatron's layout), so dp_shard must be "
+                              f"a multiple of ep; {fix}")
         mesh = {name: sizes[name] for name in ("pp", "dp_replicate")}
         mesh.update(dp_shard=sizes["dp_shard"] // self.ep, ep=self.ep, cp=sizes["cp"], tp=sizes["tp"])
         return mesh
+
+    def resolved(self, world_size: int) -> "ParallelConfig":
+        """This config with every size given as a number for ``world_size`` processes (no -1, no
+        unset ``dp_shard``), so the rest of the program reads the sizes it runs with."""
+        sizes = self.sizes(world_size)
+        return dataclasses.replace(self, pp=sizes["pp"], dp_replicate=sizes["dp_replicate"],
+                                   dp_shard=sizes["dp_shard"] * sizes["ep"], cp=sizes["cp"], tp=sizes["tp"])
 
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel ranks: ``dp_replicate x dp_shard`` (the ep ranks among them)."""

@@ -294,14 +294,14 @@ class TrainConfig:
 
     def validate(self, world_size: int = 1, planning: bool = False) -> "TrainConfig":
         """Raise ``ConfigError`` naming the fields and the fix when settings contradict (the parallel
-        sizes checked against ``world_size`` processes); return the config with an unset
+        sizes checked against ``world_size`` processes); return the config with its parallel sizes
+        resolved for ``world_size`` (``ParallelConfig.resolved``) and an unset
         ``run.global_batch_size`` resolved (``resolve_global_batch_size``). ``planning`` also accepts
         layouts and models only ``lmfunc.plan`` handles (pp, cp, ep, MoE, MLA)."""
-        try:
-            dp = self.parallel.data_parallel_size(world_size)
-        except ConfigError:  # a mesh that does not fit world_size: validate_train names it
-            dp = 1
-        cfg = self.replace(run=dataclasses.replace(self.run, global_batch_size=resolve_global_batch_size(self.run, dp)))
+        parallel = self.parallel.resolved(world_size)
+        dp = parallel.data_parallel_size(world_size)
+        cfg = self.replace(parallel=parallel,
+                           run=dataclasses.replace(self.run, global_batch_size=resolve_global_batch_size(self.run, dp)))
         validate_train(cfg, world_size, planning)
         return cfg
 

@@ -14,20 +14,28 @@ from lmfunc.config.model import ConfigError
 
 DESCRIPTION = """Print the plan of a training run: Megatron-LM's theoretical parameters, memory and FLOPs
 (exactly as Megatron computes them), and lmfunc's own per-rank memory prediction. Accepts every
-setting of `python -m lmfunc.train`, including layouts lmfunc cannot train yet (pp, cp, ep, MoE,
-MLA), which are planned with Megatron's formulas and marked "not trainable yet"."""
+setting of `python -m lmfunc.train`; every layout (dp_replicate, dp_shard, tp, pp, cp, ep) trains,
+with dense, MoE and MLA models. Model settings Megatron has but lmfunc's model does not build (MLA
+with QK-norm, linear biases or learned positions; MoE with non-SwiGLU experts, linear biases or
+scan_layers) are planned with Megatron's formulas and marked "not trainable yet"."""
 
 
 def _world_size(cfg, given: Optional[int]) -> int:
+    """``--world-size``, or torchrun's world size when a parallel size is -1, or the product of the
+    parallel sizes given (an unset ``dp_shard`` counts 1)."""
+    from lmfunc.config.parallel import check_sizes
     from lmfunc.parallel.mesh import launched_world_size
 
     if given is not None:
+        if given < 1:
+            raise ConfigError(f"--world-size must be positive, got {given}")
         return given
     p = cfg.parallel
-    sizes = [p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp]
-    if -1 in sizes:
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
+    check_sizes(sizes)
+    if -1 in sizes.values():
         return launched_world_size()
-    return math.prod(sizes)
+    return math.prod(size for size in sizes.values() if size is not None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -38,8 +46,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         cfg, known = parse_config(argv, "python -m lmfunc.plan", DESCRIPTION, extra=[
             ("--world-size", dict(type=int, default=None))])
         world_size = _world_size(cfg, known.world_size)
-        if world_size < 1:
-            raise ConfigError(f"--world-size must be positive, got {world_size}")
         cfg = cfg.validate(world_size, planning=True)
         print(format_plan(make_plan(cfg, world_size)))
     except ConfigError as err:
