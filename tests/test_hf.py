@@ -109,6 +109,39 @@ def test_a_moe_model_exports_to_qwen3_moe_with_the_same_logits_and_imports_back(
                                             mtp_num_layers=0, qk_layernorm=True), str(tmp_path / "ds"))
 
 
+
+def test_importing_a_qwen3_moe_folder_with_a_dense_config_names_the_model_and_the_flags(tmp_path, monkeypatch):
+    """A dense config on a Qwen3-MoE export: the message says the folder holds an MoE with its
+    experts, and the flags it gives, passed on the command line, import the folder exactly; a
+    setting Qwen3-MoE lacks (MTP) then gets import advice, not export advice."""
+    from lmfunc.train.cli import parse_args
+
+    cfg = model_preset("moe-small", vocab_size=96, hidden_size=64, num_layers=3, max_position_embeddings=64,
+                       moe_layer_freq=(0, 1, 1), num_experts=4, moe_ffn_hidden_size=32, ffn_hidden_size=96,
+                       tie_embeddings=False)
+    params = _perturbed(cfg, 4)
+    save_hf(params, cfg, str(tmp_path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dense_flags = ["--preset", "small", "--model.vocab-size", "96", "--model.hidden-size", "64", "--model.num-layers", "3",
+                   "--model.max-position-embeddings", "64", "--model.ffn-hidden-size", "96", "--model.no-tie-embeddings",
+                   "--data.seq-length", "64"]
+    with pytest.raises(ConfigError) as refused:
+        load_hf(str(tmp_path), parse_args(dense_flags).model)
+    message = str(refused.value)
+    assert ("holds a Qwen3-MoE model (Qwen3MoeForCausalLM: 3 layers, hidden size 64, vocabulary 96, 4 experts, top-2, "
+            "QK-norm, dense layers [0])") in message and "lacks" not in message
+    flags = message.split("To import it, pass ")[1].split()
+    assert " ".join(flags) == ("--model.num-query-groups 2 --model.qk-layernorm --model.num-experts 4 "
+                               "--model.moe-router-topk 2 --model.moe-ffn-hidden-size 32 --model.moe-layer-freq 0 1 1")
+    imported = load_hf(str(tmp_path), parse_args(dense_flags + flags).model)
+    for (name, a), (_, b) in zip(flatten_with_paths(imported), flatten_with_paths(params)):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError) as refused:
+        load_hf(str(tmp_path), parse_args(dense_flags + flags + ["--model.mtp-num-layers", "1"]).model)
+    assert "model.mtp_num_layers is 1" in str(refused.value) and "to import it, set these" in str(refused.value)
+    assert "Export it" not in str(refused.value)
+
+
 def test_safetensors_export_is_a_run_directory_for_generate(trained):
     out = str(trained / "plain")
     export_main(["--checkpoint", str(trained / "source"), "--out", out, "--dtype", "bf16"])

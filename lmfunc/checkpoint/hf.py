@@ -81,9 +81,12 @@ def _unstacked(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, scan_layers=False)
 
 
-def check_hf_compatible(cfg: ModelConfig) -> None:
+EXPORT_ADVICE = "Export it as plain safetensors instead (--format safetensors)"
+
+
+def check_hf_compatible(cfg: ModelConfig, advice: str = EXPORT_ADVICE) -> None:
     """Raise ``ConfigError`` naming each setting that the HF layout of ``cfg`` (Llama for a dense
-    model, Qwen3-MoE with experts) cannot express."""
+    model, Qwen3-MoE with experts) cannot express, then ``advice``."""
     moe = cfg.num_experts is not None
     name = "Qwen3-MoE" if moe else "Llama"
     problems = [message for failed, message in (
@@ -105,8 +108,7 @@ def check_hf_compatible(cfg: ModelConfig) -> None:
         (moe and cfg.moe_router_enable_expert_bias, "model.moe_router_enable_expert_bias is on (Qwen3-MoE has no expert bias)"),
     ) if failed]
     if problems:
-        raise ConfigError(f"the model is not {name}-compatible: " + "; ".join(problems)
-                          + ". Export it as plain safetensors instead (--format safetensors)")
+        raise ConfigError(f"the model is not {name}-compatible: " + "; ".join(problems) + f". {advice}")
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -174,48 +176,111 @@ def _rope(config: dict) -> tuple[Optional[float], Optional[dict]]:
     return theta, scaling
 
 
+def _flag(field: str, value: object) -> str:
+    """The command-line flag that sets ``model.<field>`` to ``value``."""
+    name = field.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--model.{name}" if value else f"--model.no-{name}"
+    if isinstance(value, (list, tuple)):
+        return f"--model.{name} " + " ".join(str(v) for v in value)
+    return f"--model.{name} {value}"
+
+
+def _hf_settings(config: dict) -> dict[str, object]:
+    """The lmfunc model settings (``ModelConfig`` field -> value) a Llama or Qwen3-MoE
+    ``config.json`` holds; the keys it lacks take transformers' defaults."""
+    theta, scaling = _rope(config)
+    heads = config.get("num_attention_heads")
+    settings = {
+        "vocab_size": config.get("vocab_size"), "hidden_size": config.get("hidden_size"),
+        "ffn_hidden_size": config.get("intermediate_size"), "num_layers": config.get("num_hidden_layers"),
+        "num_attention_heads": heads, "num_query_groups": config.get("num_key_value_heads", heads),
+        "kv_channels": config.get("head_dim", config.get("hidden_size", 0) // max(heads or 1, 1)),
+        "norm_epsilon": config.get("rms_norm_eps"), "rotary_base": theta,
+        "seq_len_interpolation_factor": scaling.get("factor") if scaling is not None else None,
+        "tie_embeddings": config.get("tie_word_embeddings", False),
+        "add_bias_linear": config.get("attention_bias", False),
+        "qk_layernorm": config.get("model_type") == "qwen3_moe", "num_experts": None,
+    }
+    if config.get("model_type") == "qwen3_moe":
+        step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
+        settings |= {
+            "num_experts": config.get("num_experts"), "moe_router_topk": config.get("num_experts_per_tok"),
+            "moe_ffn_hidden_size": config.get("moe_intermediate_size"),
+            "moe_layer_freq": tuple(int(i not in dense and (i + 1) % step == 0)
+                                    for i in range(config.get("num_hidden_layers") or 0)),
+        }
+    return settings
+
+
+def _our_settings(cfg: ModelConfig) -> dict[str, object]:
+    """``cfg``'s values of the settings ``_hf_settings`` reads (the resolved sizes)."""
+    ours = {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_size,
+        "num_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_query_groups": cfg.query_groups, "kv_channels": cfg.head_dim, "norm_epsilon": cfg.norm_epsilon,
+        "rotary_base": cfg.rotary_base, "seq_len_interpolation_factor": cfg.seq_len_interpolation_factor,
+        "tie_embeddings": cfg.tie_embeddings, "add_bias_linear": cfg.add_bias_linear,
+        "qk_layernorm": cfg.qk_layernorm, "num_experts": cfg.num_experts,
+    }
+    if cfg.num_experts is not None:
+        ours |= {"moe_router_topk": cfg.moe_router_topk, "moe_ffn_hidden_size": cfg.expert_ffn_size,
+                 "moe_layer_freq": tuple(int(is_moe) for is_moe in cfg.moe_layers)}
+    return ours
+
+
+_HF_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "ffn_hidden_size": "intermediate_size",
+    "num_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim", "norm_epsilon": "rms_norm_eps",
+    "rotary_base": "rope_theta", "seq_len_interpolation_factor": "rope_scaling.factor",
+    "tie_embeddings": "tie_word_embeddings", "add_bias_linear": "attention_bias", "qk_layernorm": "model_type",
+    "num_experts": "num_experts", "moe_router_topk": "num_experts_per_tok",
+    "moe_ffn_hidden_size": "moe_intermediate_size", "moe_layer_freq": "mlp_only_layers",
+}
+"""The ``config.json`` key each setting of ``_hf_settings`` is read from."""
+
+
+def describe_hf_config(config: dict) -> str:
+    """What model a Llama or Qwen3-MoE ``config.json`` holds, in a few words."""
+    arch = (config.get("architectures") or [config.get("model_type", "?")])[0]
+    size = (f"{config.get('num_hidden_layers')} layers, hidden size {config.get('hidden_size')}, "
+            f"vocabulary {config.get('vocab_size')}")
+    if config.get("model_type") == "qwen3_moe":
+        dense = config.get("mlp_only_layers") or []
+        return (f"a Qwen3-MoE model ({arch}: {size}, {config.get('num_experts')} experts, top-"
+                f"{config.get('num_experts_per_tok')}, QK-norm" + (f", dense layers {dense}" if dense else "") + ")")
+    return f"a dense Llama model ({arch}: {size})"
+
+
 def check_config_matches(config: dict, cfg: ModelConfig, source: str) -> None:
-    """Raise ``ConfigError`` naming every HF config field that disagrees with ``cfg``."""
+    """Raise ``ConfigError`` naming what model ``config`` holds, every field that disagrees with
+    ``cfg``, and the flags that make ``cfg`` match it."""
+    model_type = config.get("model_type")
+    if model_type not in ("llama", "qwen3_moe"):
+        raise ConfigError(f"{source} holds a {model_type!r} model ({config.get('architectures')}); lmfunc imports "
+                          "Llama (model_type 'llama') and Qwen3-MoE ('qwen3_moe') folders")
     theta, scaling = _rope(config)
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "linear":
         raise ConfigError(f"{source}: rope scaling {scaling} is not supported (only linear position interpolation)")
-    factor = scaling.get("factor") if scaling is not None else None
-    pairs = [
-        ("vocab_size", "model.vocab_size", cfg.vocab_size), ("hidden_size", "model.hidden_size", cfg.hidden_size),
-        ("intermediate_size", "model.ffn_hidden_size", cfg.ffn_size),
-        ("num_hidden_layers", "model.num_layers", cfg.num_layers),
-        ("num_attention_heads", "model.num_attention_heads", cfg.num_attention_heads),
-        ("num_key_value_heads", "model.num_query_groups", cfg.query_groups),
-        ("head_dim", "model.kv_channels", cfg.head_dim), ("rms_norm_eps", "model.norm_epsilon", cfg.norm_epsilon),
-        ("rope_theta", "model.rotary_base", cfg.rotary_base),
-        ("rope_scaling.factor", "model.seq_len_interpolation_factor", cfg.seq_len_interpolation_factor),
-        ("tie_word_embeddings", "model.tie_embeddings", cfg.tie_embeddings),
-        ("attention_bias", "model.add_bias_linear", cfg.add_bias_linear),
-        ("mlp_bias", "model.add_bias_linear", cfg.add_bias_linear),
-        ("hidden_act", "model.activation", "silu"),
-    ]
-    if cfg.num_experts is not None:
-        pairs.remove(("mlp_bias", "model.add_bias_linear", cfg.add_bias_linear))
-        pairs += [
-            ("model_type", "an MoE model (Qwen3-MoE)", "qwen3_moe"),
-            ("num_experts", "model.num_experts", cfg.num_experts),
-            ("num_experts_per_tok", "model.moe_router_topk", cfg.moe_router_topk),
-            ("moe_intermediate_size", "model.moe_ffn_hidden_size", cfg.expert_ffn_size),
-            ("norm_topk_prob", "lmfunc's router (renormalised top-k)", True),
-            ("sparse layers", "model.moe_layer_freq", [i for i, is_moe in enumerate(cfg.moe_layers) if is_moe]),
-        ]
-        step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
-        config = dict(config, **{"sparse layers": [i for i in range(config.get("num_hidden_layers", 0))
-                                                   if i not in dense and (i + 1) % step == 0]})
-    found = dict(config, rope_theta=theta, **{"rope_scaling.factor": factor})
-    found.setdefault("num_key_value_heads", config.get("num_attention_heads"))
-    found.setdefault("head_dim", config.get("hidden_size", 0) // max(config.get("num_attention_heads", 1), 1))
-    for key, default in (("tie_word_embeddings", False), ("attention_bias", False), ("mlp_bias", False)):
-        found.setdefault(key, default)
-    differing = [f"{key} is {found.get(key)!r} but {ours} gives {value!r}"
-                 for key, ours, value in pairs if found.get(key) != value]
+    if config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{source}: hidden_act is {config['hidden_act']!r}; lmfunc imports SwiGLU ('silu') MLPs")
+    if model_type == "llama" and config.get("mlp_bias", False) != config.get("attention_bias", False):
+        raise ConfigError(f"{source}: attention_bias and mlp_bias differ; lmfunc's model.add_bias_linear sets both")
+    if model_type == "qwen3_moe" and not config.get("norm_topk_prob", False):
+        raise ConfigError(f"{source}: norm_topk_prob is false; lmfunc's softmax router renormalises the top-k weights")
+    theirs, ours = _hf_settings(config), _our_settings(cfg)
+    differing = [field for field in theirs if field in ours and theirs[field] != ours[field]]
+    if cfg.num_experts is None and theirs["num_experts"] is not None:
+        differing += [field for field in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq")]
     if differing:
-        raise ConfigError(f"{source} does not match the model config: " + "; ".join(differing))
+        found = [f"{_HF_KEYS[field]} gives {theirs[field]!r} but model.{field} is {ours.get(field)!r}"
+                 if field in ("qk_layernorm", "moe_layer_freq") else
+                 f"{_HF_KEYS[field]} is {theirs[field]!r} but model.{field} gives {ours.get(field)!r}"
+                 for field in differing]
+        raise ConfigError(f"{source} holds {describe_hf_config(config)}, which does not match the model config: "
+                          + "; ".join(found) + ". To import it, pass "
+                          + " ".join(_flag(field, theirs[field]) for field in differing))
 
 
 def load_hf(directory: str, cfg: ModelConfig) -> PyTree:
@@ -229,8 +294,8 @@ def load_hf(directory: str, cfg: ModelConfig) -> PyTree:
         raise ConfigError(f"checkpoint.load_hf: {config_path} does not exist") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"checkpoint.load_hf: {config_path} is not valid JSON: {err}") from None
-    check_hf_compatible(cfg)
     check_config_matches(config, cfg, config_path)
+    check_hf_compatible(cfg, f"{config_path} holds {describe_hf_config(config)}: to import it, set these as it has them")
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
         raise ConfigError(f"checkpoint.load_hf: {directory} has no *.safetensors files")
