@@ -100,6 +100,29 @@ def test_step_gradients_equal_the_direct_mtp_objective(microbatches, per_token):
         torch.testing.assert_close(metrics[f"mtp_{k}_loss"], value.detach(), rtol=1e-6, atol=1e-6)
 
 
+def test_a_zero_mtp_loss_factor_gives_the_direct_gradients_with_the_chunked_head():
+    """mtp_loss_scaling_factor 0 tells the MTP depths' chunked heads their gradient is 0; that hint
+    must not divide their gradients (0 / 0 gave NaN): every gradient is the direct objective's (the
+    MTP layers' are 0)."""
+    cfg = dataclasses.replace(MTP, mtp_loss_scaling_factor=0.0)
+    assert cfg.cross_entropy_chunk_tokens > 0
+    batch = lm_batch(cfg.vocab_size, microbatches=1, batch=4, seq=16)
+    del batch["loss_mask"]
+    params = model.init(cfg, seed=0)
+    flat, spec = tree_flatten(params)
+    inputs = [leaf.detach().requires_grad_(True) for leaf in flat]
+    objective, _ = direct_objective(tree_unflatten(inputs, spec), batch, cfg)
+    direct = dict(zip([name for name, _ in flatten_with_paths(params)],
+                      torch.autograd.grad(objective, inputs, allow_unused=True, materialize_grads=True)))
+    step = make_train_step(cfg, record_grads(), clip_grad=0.0, compile=False)
+    state, _ = step(TrainState.create(params, record_grads()), batch)
+    stepped = dict(flatten_with_paths(state.opt_state))
+    assert all(bool(torch.isfinite(g).all()) for g in stepped.values())
+    worst = max(float((stepped[name] - direct[name]).abs().max()) for name in direct)
+    assert worst < 1e-6, worst
+    assert float(stepped["mtp.0.eh_proj"].abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("per_token", [True, False])
 def test_chunked_head_gradient_hints_are_exact_for_every_depth(monkeypatch, per_token):
     """Each chunked head (main and every MTP depth) is told the gradient it will receive, so its

@@ -98,7 +98,7 @@ def chunked_output_layer_loss(
         The gradients are computed already multiplied by it, so in fp16/bf16 they have the range
         they would have had in the plain backward (loss scaling keeps working); the backward then
         multiplies by ``incoming / grad_hint``, which is 1 when the hint was right. Any positive
-        value gives the same gradients up to rounding; default 1.
+        value gives the same gradients up to rounding; default 1, which also stands in for 0.
     """
     loss_dtype = torch.promote_types(hidden.dtype, torch.float32)
     if chunk <= 0:
@@ -111,7 +111,10 @@ def chunked_output_layer_loss(
         mask = loss_mask.reshape(-1).to(loss_dtype)
         count = mask.sum()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        hint = torch.ones((), dtype=loss_dtype, device=hidden.device) if grad_hint is None else grad_hint.to(loss_dtype)
+        one = torch.ones((), dtype=loss_dtype, device=hidden.device)
+        # A zero hint (a loss weighted by 0, such as mtp_loss_scaling_factor 0) would divide the
+        # backward by 0; any positive hint gives the same gradients, so 1 stands in for it.
+        hint = one if grad_hint is None else torch.where(grad_hint == 0, one, grad_hint.to(loss_dtype))
         loss, _, _ = _ChunkedOutputLayerLoss.apply(hidden2d, weight, flat_labels, mask, hint, chunk)
         return loss, count
     loss = torch.zeros((), dtype=loss_dtype, device=hidden.device)
