@@ -52,13 +52,18 @@ def test_the_cli_prints_megatrons_numbers(capsys):
 
 def test_tensor_parallel_shard_and_the_distributed_optimizer():
     """tp 2 x dp_shard 2: the tp-split part (attention, MLP, embedding) halves, norms stay whole;
-    the distributed optimizer's 6 + 12/dp bytes per parameter."""
+    the distributed optimizer's 6 + 12/dp bytes per parameter, which Megatron's footprint line
+    shows for a run that shards its optimizer (dp_shard), not for DDP."""
     cfg = WORKED.replace(parallel=ParallelConfig(tp=2, dp_shard=2))
     meg = plan_of(cfg, 4).megatron
     assert meg.counts.tp_sharded_on_most_loaded == (2 * (16_384 + 32_768) + 24_576) / 2
     assert meg.counts.most_loaded_shard == 61_440 + 2 * 256 + 128
     assert meg.weight_and_optimizer == 62_080 * 18
     assert meg.weight_and_optimizer_distributed == 62_080 * (6 + 12 / 2)
+    weights = 62_080 * (6 + 12 / 2) / 2**20
+    assert f"weight and optimizer={weights:.2f} MB, activation={meg.activations / 2**20:.2f} MB" in meg.footprint_line()
+    ddp = plan_of(WORKED.replace(parallel=ParallelConfig(tp=2, dp_replicate=2)), 4).megatron
+    assert f"weight and optimizer={62_080 * 18 / 2**20:.2f} MB" in ddp.footprint_line()
 
 
 def test_pipeline_parallel_is_planned_with_megatrons_formulas():

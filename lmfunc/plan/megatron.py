@@ -60,6 +60,9 @@ class MegatronArgs:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    use_distributed_optimizer: bool = False
+    """Megatron's --use-distributed-optimizer: lmfunc's layouts with dp_shard > 1 (the optimizer
+    state sharded over the data-parallel ranks)."""
 
     @property
     def expert_tensor_parallel_size(self) -> int:
@@ -98,6 +101,7 @@ class MegatronArgs:
             moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
             multi_latent_attention=m.multi_latent_attention, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
             qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+            use_distributed_optimizer=sizes["dp_shard"] * sizes["ep"] > 1,
         )
 
 
@@ -312,9 +316,11 @@ class MegatronReport:
         """The activation bytes Megatron reports (the formula that applies)."""
         return self.activations_sp if self.sp_formula else self.activations_without_sp
 
-    def footprint_line(self, distributed_optimizer: bool = False) -> str:
-        """Megatron's own line, ``Theoretical memory footprints: ...`` in its MB."""
-        weights = (self.weight_and_optimizer_distributed if distributed_optimizer else self.weight_and_optimizer) / MB
+    def footprint_line(self) -> str:
+        """Megatron's own line, ``Theoretical memory footprints: ...`` in its MB (with the
+        distributed optimizer's weight and optimizer bytes when the run uses it, as Megatron prints)."""
+        distributed = self.args.use_distributed_optimizer
+        weights = (self.weight_and_optimizer_distributed if distributed else self.weight_and_optimizer) / MB
         activations = self.activations / MB
         return (f"Theoretical memory footprints: weight and optimizer={weights:.2f} MB, "
                 f"activation={activations:.2f} MB, total={weights + activations:.2f} MB")
