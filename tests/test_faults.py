@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from lmfunc.config import ConfigError
 from lmfunc.checkpoint.manager import TRACKER, complete_steps
 from lmfunc.export import main as export_main
 from lmfunc.train.__main__ import main as train_main
@@ -124,6 +125,25 @@ def test_a_stale_lock_is_taken_over_and_the_lock_is_gone_after_the_run(tmp_path,
     train(tmp_path, "--run.name", "c", iters=2)
     assert f"took over the stale lock {run_dir / LOCK_FILE} (pid {gone.pid}" in capsys.readouterr().out
     assert not (run_dir / LOCK_FILE).exists() and (run_dir / "model.safetensors").exists()
+
+
+def test_a_lock_whose_pid_now_belongs_to_another_process_is_stale(tmp_path, capsys):
+    """The lock's pid runs (this test's process) but started at another time than the lock
+    records: the pid was reused, the lock's run is gone, and the lock is taken over; with the
+    matching start time it is refused."""
+    from lmfunc.train.run_lock import acquire, process_start_ticks
+
+    mine = process_start_ticks(os.getpid())
+    if mine is None:
+        pytest.skip("no /proc/<pid>/stat on this system: only the pid is checked")
+    lock = {"host": socket.gethostname(), "pid": os.getpid(), "started": 1.7e9}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(dict(lock, process_start=mine - 1)))
+    taken = acquire(str(tmp_path))
+    assert taken.taken_over and "that process is gone" in taken.taken_over
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["process_start"] == mine
+    (tmp_path / LOCK_FILE).write_text(json.dumps(dict(lock, process_start=mine)))
+    with pytest.raises(ConfigError, match="still running"):
+        acquire(str(tmp_path))
 
 
 def test_two_runs_started_together_one_is_refused(tmp_path):

@@ -1,9 +1,11 @@
 """The lock that keeps two runs out of one folder.
 
 Rank 0 of a run creates ``<folder>/lmfunc.lock`` (exclusively, ``O_CREAT | O_EXCL``) before it
-writes anything there, holding the host, the pid and the start time, and deletes it when the run
-ends. A second run that finds the lock is refused with the holder's details. A lock whose holder
-is known to be gone (same host, no such process) is stale: it is taken over, with a message. A
+writes anything there, holding the host, the pid, the process's start time in the kernel's clock
+ticks (``/proc/<pid>/stat``; absent off Linux) and the wall-clock start, and deletes it when the
+run ends. A second run that finds the lock is refused with the holder's details. A lock whose
+holder is known to be gone (same host, and no such process, or a process of that pid that started
+at another time: the pid was reused) is stale: it is taken over, with a message. A
 holder on another host cannot be checked from here (multi-node runs share the filesystem, not the
 process table), so such a lock is always refused; delete the file when that run is known to have
 died.
@@ -22,19 +24,34 @@ from lmfunc.config.model import ConfigError
 LOCK_FILE = "lmfunc.lock"
 
 
+def process_start_ticks(pid: int) -> Optional[int]:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``);
+    None where there is no such file (no such process, or no procfs)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+    return int(fields[22 - 3])
+
+
 def _holder_alive(holder: dict) -> Optional[bool]:
-    """Whether the lock's process runs: True/False on this host, None for another host."""
+    """Whether the lock's process runs: True/False on this host, None for another host. A process
+    with the lock's pid that started at another time than the one recorded is another process."""
     if holder.get("host") != socket.gethostname():
         return None
     try:
-        os.kill(int(holder["pid"]), 0)
+        pid = int(holder["pid"])
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
-        return True
+        pass
     except (KeyError, TypeError, ValueError):
         return False
-    return True
+    recorded, now = holder.get("process_start"), process_start_ticks(pid)
+    return not (isinstance(recorded, int) and now is not None and now != recorded)
 
 
 def _read(path: str) -> dict:
@@ -95,7 +112,8 @@ def acquire(folder: str, what: str = "run folder") -> RunLock:
                 f"wait for it, pick another folder, or delete {path} if that run has died"
             ) from None
         with os.fdopen(fd, "w") as f:
-            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}, f)
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(), "process_start": process_start_ticks(os.getpid()),
+                       "started": time.time()}, f)
             f.write("\n")
         return RunLock(folder, taken_over)
     raise ConfigError(f"could not lock {what} {folder}: another process keeps replacing {path}")
