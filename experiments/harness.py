@@ -88,22 +88,28 @@ def machine() -> dict[str, object]:
             "python": platform.python_version()}
 
 
+HARNESS_MARK = ".experiments-harness-run"
+"""The file that marks a run folder as written by ``run_training`` (the only folders it deletes)."""
+
+
 def run_training(run: Run, config: Path, options: Options, timeout: float = 3600) -> dict:
     """Train ``run`` (``python -m lmfunc.train --config CONFIG FLAGS``) into OUT/runs/NAME, copy its
     ``log.jsonl`` to OUT/results/NAME.jsonl and return ``{"name", "seconds", "records"}``.
 
     A failed run raises ``RuntimeError`` with the end of its output (kept in OUT/runs/NAME.out). An
-    earlier run of the same name is replaced; a folder there that no run wrote is refused, never
-    deleted (``--out`` may point at a folder of the user's).
+    earlier run of the same name is replaced only if the harness marked its folder as its own
+    (``HARNESS_MARK`` inside, written before the run starts); any other folder or NAME.out there is
+    refused, never deleted (``--out`` may point at a folder of the user's, even at lmfunc runs).
     """
     runs_dir = options.out / "runs"
-    run_dir = runs_dir / run.name
-    if run_dir.exists():
-        if not (runs_dir / f"{run.name}.out").exists() and not (run_dir / "config.yaml").exists():
-            raise SystemExit(f"{run_dir} exists but is not a training run of this study (no {run.name}.out beside "
-                             "it, no config.yaml in it); move it away or choose another --out. Nothing was deleted.")
+    run_dir, output = runs_dir / run.name, runs_dir / f"{run.name}.out"
+    if run_dir.exists() or output.exists():
+        if not (run_dir / HARNESS_MARK).is_file():
+            raise SystemExit(f"{run_dir} or {output.name} exists but was not written by this harness (no {HARNESS_MARK} "
+                             "in the folder); move it away or choose another --out. Nothing was deleted.")
         shutil.rmtree(run_dir)
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True)
+    (run_dir / HARNESS_MARK).write_text(json.dumps({"study_out": str(options.out), "run": run.name}) + "\n")
     options.results.mkdir(parents=True, exist_ok=True)
     args = ["--config", str(config), "--run.out-dir", str(runs_dir), "--run.name", run.name,
             "--data.cache-dir", str(options.out / "cache"), "--log.no-progress-bar", *run.flags]

@@ -95,14 +95,41 @@ def test_scaling_study_quick(tmp_path):
     assert 0 < bound["gloo_fsdp_ms"] and 0 < bound["bound"] < bound["pair_efficiency"]
 
 
-def test_a_folder_the_harness_did_not_write_is_never_deleted(tmp_path):
-    """``--out`` pointing at a folder with a user's ``runs/NAME``: the study refuses and deletes nothing."""
-    from experiments.harness import Options, Run, run_training
+def test_a_folder_the_harness_did_not_write_is_never_deleted(tmp_path, monkeypatch):
+    """``--out`` pointing at a folder with a user's ``runs/NAME`` (plain files, or a training run of
+    the user's with its config.yaml and a NAME.out beside it): the study refuses and deletes
+    nothing. A folder the harness marked as its own is replaced."""
+    import subprocess
 
+    from experiments.harness import HARNESS_MARK, Options, Run, run_training
+
+    options = Options(quick=True, out=tmp_path, report_only=False, threads=1)
     mine = tmp_path / "runs" / "single"
     mine.mkdir(parents=True)
     (mine / "thesis.tex").write_text("irreplaceable")
-    options = Options(quick=True, out=tmp_path, report_only=False, threads=1)
-    with pytest.raises(SystemExit, match=r"is not a training run of this study .* Nothing was deleted"):
+    (mine / "config.yaml").write_text("model: {}\n")
+    (tmp_path / "runs" / "single.out").write_text("my notes")
+    with pytest.raises(SystemExit, match=r"was not written by this harness .* Nothing was deleted"):
         run_training(Run("single"), tmp_path / "config.yaml", options)
-    assert (mine / "thesis.tex").read_text() == "irreplaceable"
+    assert (mine / "thesis.tex").read_text() == "irreplaceable" and (mine / "config.yaml").exists()
+    (mine / "thesis.tex").unlink()
+    (mine / "config.yaml").unlink()
+    mine.rmdir()
+    with pytest.raises(SystemExit, match=r"single.out exists but was not written by this harness"):
+        run_training(Run("single"), tmp_path / "config.yaml", options)
+    assert (tmp_path / "runs" / "single.out").read_text() == "my notes"
+
+    ran = []
+
+    def fake_run(command, **kwargs):
+        ran.append(command)
+        assert sorted(p.name for p in mine.iterdir()) == [HARNESS_MARK]
+        (mine / "log.jsonl").write_text("")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    (tmp_path / "runs" / "single.out").unlink()
+    run_training(Run("single"), tmp_path / "config.yaml", options)
+    (mine / "stale").write_text("from the first run")
+    run_training(Run("single"), tmp_path / "config.yaml", options)
+    assert not (mine / "stale").exists() and len(ran) == 2
