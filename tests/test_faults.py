@@ -238,6 +238,25 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_p
     assert [r["step"] for r in read_log(run_dir / "log.jsonl") if r["kind"] == "end"] == [4, 4]
 
 
+def test_a_damaged_checkpoint_does_not_count_toward_keep(finished_run, tmp_path, capsys):
+    """Steps 2 and 4 saved (keep 2), step 4 damaged: the resume from step 2 saves step 3 and keeps
+    the good step 2 beside it (the damaged 4 neither counts nor is deleted); the save of step 4
+    then replaces the damaged one and the newest two good ones stay."""
+    run_dir = copy_run(finished_run, tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    _missing_shard(checkpoints / "iter_0000004")
+    damaged = folder_hash(checkpoints / "iter_0000004")
+    train(tmp_path, "--run.name", "a", "--checkpoint.save-interval", "1", "--checkpoint.keep", "2",
+          "--run.exit-interval", "3")
+    assert "not counted toward checkpoint.keep" in capsys.readouterr().out
+    assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000002", "iter_0000003", "iter_0000004"]
+    assert folder_hash(checkpoints / "iter_0000004") == damaged
+    train(tmp_path, "--run.name", "a", "--checkpoint.save-interval", "1", "--checkpoint.keep", "2",
+          "--checkpoint.load-step", "3")
+    assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    assert (checkpoints / "iter_0000004" / "__0_0.distcp").exists()
+
+
 def test_no_loadable_checkpoint_is_one_line_that_points_to_load_step(finished_run, tmp_path, capsys):
     run_dir = copy_run(finished_run, tmp_path)
     _missing_shard(run_dir / "checkpoints" / "iter_0000004")

@@ -217,6 +217,9 @@ class CheckpointManager:
             self.removed_partial = remove_partial(directory)
         self._pending: Optional[tuple[int, Future, Callable[[], None], int]] = None
         self.last_saved: Optional[int] = None
+        self.damaged: set[int] = set()
+        """Steps of checkpoints here known to be damaged (a resume skipped them): neither counted
+        toward ``keep`` nor deleted by pruning, until a save of the same step replaces them."""
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, step_dir_name(step))
@@ -292,8 +295,9 @@ class CheckpointManager:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _write_atomically(os.path.join(self.directory, TRACKER), f"{step}\n")
+        self.damaged.discard(step)
         if self.keep is not None:
-            for old in self.steps()[:-self.keep]:
+            for old in [s for s in self.steps() if s not in self.damaged][:-self.keep]:
                 if old != step:
                     shutil.rmtree(self.path(old), ignore_errors=True)
 

@@ -220,6 +220,7 @@ class _Run:
                                  self.paths.load_dir, self.paths.load_step, warn=self.logger.echo,
                                  part=pipe is not None)
         self.state = restored.state
+        self.checkpoints.note_damaged(self.paths.load_dir, restored.damaged)
         self.start_step, self.consumed = int(self.state.step), int(self.state.consumed_samples)
         self.skipped_before = int(self.state.loss_scale.skipped_steps) if self.state.loss_scale is not None else 0
         if restored.source is not None:

@@ -218,6 +218,8 @@ class Restored:
     state: TrainState
     source: Optional[str]
     finetune: bool = False
+    damaged: tuple[int, ...] = ()
+    """Steps of the newer checkpoints in the load folder that were skipped as damaged."""
 
 
 def restore_state(cfg: TrainConfig, fresh: TrainState, load_dir: str, step: Optional[int],
@@ -227,7 +229,8 @@ def restore_state(cfg: TrainConfig, fresh: TrainState, load_dir: str, step: Opti
     ``checkpoint.finetune``. The saved model must have the same shapes (checked first).
 
     A damaged checkpoint (missing or unreadable files) found by the automatic resume is reported
-    through ``warn`` and the previous complete one is tried (why ``checkpoint.keep`` defaults to 2);
+    through ``warn`` and the previous complete one is tried (why ``checkpoint.keep`` defaults to 2),
+    its step listed in ``Restored.damaged``;
     an explicit ``checkpoint.load_step`` is not replaced. When none loads: ``ConfigError``.
     ``part``: ``fresh`` holds a part of the model (a pipeline rank's leaves), so the checkpoint's
     other leaves are left unread.
@@ -235,15 +238,17 @@ def restore_state(cfg: TrainConfig, fresh: TrainState, load_dir: str, step: Opti
     if step is None:
         return Restored(fresh, None)
     candidates = [step] if cfg.checkpoint.load_step is not None else [s for s in reversed(complete_steps(load_dir)) if s <= step]
-    damage = []
+    damage, damaged_steps = [], []
     for candidate in candidates:
         path = os.path.join(load_dir, step_dir_name(candidate))
         try:
-            return _load_checkpoint(cfg, fresh, path, part)
+            return replace(_load_checkpoint(cfg, fresh, path, part), damaged=tuple(damaged_steps))
         except DamagedCheckpoint as err:
             damage.append(str(err))
+            damaged_steps.append(candidate)
             if candidate != candidates[-1]:
-                warn(f"warning: checkpoint {path} is damaged ({err}); loading the previous complete checkpoint instead")
+                warn(f"warning: checkpoint {path} is damaged ({err}); loading the previous complete checkpoint "
+                     "instead (the damaged one is left in place and not counted toward checkpoint.keep)")
     raise ConfigError(f"no checkpoint in {load_dir} can be loaded: " + "; ".join(damage)
                       + f". Complete steps: {complete_steps(load_dir)}; load another with --checkpoint.load-step, "
                       "or start fresh with --checkpoint.no-resume (or another run.name)")

@@ -31,6 +31,13 @@ class RunCheckpoints:
         self.error: Optional[SaveFailed] = None
         """The last failed save, until a later save commits."""
 
+    def note_damaged(self, load_dir: str, steps: tuple[int, ...]) -> None:
+        """The resume skipped the checkpoints of ``steps`` in ``load_dir`` as damaged: when that is
+        the save folder, they do not count toward ``checkpoint.keep`` (so no good checkpoint is
+        pruned in their favour)."""
+        if self.manager is not None and steps and os.path.realpath(load_dir) == os.path.realpath(self.manager.directory):
+            self.manager.damaged.update(steps)
+
     @property
     def stop_requested(self) -> bool:
         """A save failed and ``checkpoint.on_save_error`` is ``stop``."""
