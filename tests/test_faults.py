@@ -310,6 +310,36 @@ def test_a_full_disk_mid_run_is_named_and_the_weights_are_still_written(tmp_path
     assert (tmp_path / "runs" / "full" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("where", ["prepare", "commit"])
+def test_a_save_that_fails_on_rank_0_alone_stops_every_rank_together(tmp_path, where):
+    """Two ranks, on_save_error stop; only rank 0's part of the step-2 save fails: preparing its
+    folder (the other rank would wait in the save's collectives) or committing it, which rank 0
+    finds at its own step. Every rank stops after the same step (the run ends with save_failed
+    instead of hanging), the failure is named, and no checkpoint claims to be complete."""
+    import signal
+
+    from tests.helpers import torchrun_command, torchrun_env
+
+    proc = subprocess.Popen(torchrun_command(2, ["tests/save_failure_worker.py", str(tmp_path), where]), cwd=ROOT,
+                            env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it to the ranks (they run in sessions of their own)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"the ranks did not stop together (killed after 300 s):\n{out[-3000:]}")
+    assert proc.returncode != 0, out[-3000:]
+    assert f"saving checkpoint step 2 to {tmp_path / 'r' / 'checkpoints'} failed: no space left" in out, out[-3000:]
+    ends = [r for r in read_log(tmp_path / "r" / "log.jsonl") if r["kind"] == "end"]
+    assert len(ends) == 1 and ends[0]["exit_reason"] == "save_failed" and ends[0]["step"] < 6
+    assert complete_steps(tmp_path / "r" / "checkpoints") == []
+
+
 # 15, 17. Config checks.
 def test_seq_length_beyond_max_position_embeddings_is_refused_under_rope(tmp_path, capsys):
     message = refused(capsys, lambda: train(tmp_path, "--model.max-position-embeddings", "32"))

@@ -238,20 +238,20 @@ class CheckpointManager:
         self.wait()
         tmp = self.path(step) + ".tmp"
         nbytes = local_tree_bytes(tree)
+        error: Optional[BaseException] = None
         if _rank() == 0:
-            if os.path.exists(tmp) and not _is_unfinished_save(tmp):
-                raise ConfigError(f"checkpoint save: {tmp} exists and was not written by lmfunc; move it away")
             try:
+                if os.path.exists(tmp) and not _is_unfinished_save(tmp):
+                    raise ConfigError(f"checkpoint save: {tmp} exists and was not written by lmfunc; move it away")
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
                 open(os.path.join(tmp, IN_PROGRESS), "w").close()
                 for name, text in (files or {}).items():
                     with open(os.path.join(tmp, name), "w") as f:
                         f.write(text)
-            except OSError as err:
-                raise self._failure(step, err, nbytes) from None
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier(group=self.process_group)
+            except (OSError, ConfigError) as err:
+                error = err
+        self._agree(error, step, nbytes)
 
         def finish() -> None:
             if _rank() == 0:
@@ -266,6 +266,22 @@ class CheckpointManager:
                 finish()
             except (Exception, CheckpointException) as err:
                 raise self._failure(step, err, nbytes) from None
+
+    def _agree(self, error: Optional[BaseException], step: int, nbytes: int) -> None:
+        """Share rank 0's outcome of preparing a save (``error``, or None on success) with every
+        rank of the group, so all of them raise the same error or all go on: a rank that went on
+        alone would wait forever in the save's collectives. (Rank 0's commit, which may finish at
+        another step than the other ranks notice it, raises on rank 0 alone; the trainer's per-step
+        stop vote, ``StopRequests.should_stop``, then stops every rank together.)"""
+        outcome: list = [None]
+        if _rank() == 0 and error is not None:
+            outcome = [("config", str(error)) if isinstance(error, ConfigError)
+                       else ("failed", str(self._failure(step, error, nbytes)))]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(outcome, group=self.process_group, group_src=0)
+        if outcome[0] is not None:
+            kind, message = outcome[0]
+            raise (ConfigError if kind == "config" else SaveFailed)(message)
 
     def _failure(self, step: int, err: BaseException, nbytes: int) -> "SaveFailed":
         """The ``SaveFailed`` for a save of step ``step`` that raised ``err``, after removing its

@@ -299,7 +299,7 @@ class _Run:
                 self.checkpoints.after_step(step, self.state)
             self.meter.pause(time.perf_counter() - began)
             self.profiler.after_step(step)
-            reason = "save_failed" if self.checkpoints.stop_requested else self.stop.should_stop()
+            reason = self.stop.should_stop(save_failed=self.checkpoints.stop_requested)
             if reason is None and run.exit_interval is not None and step % run.exit_interval == 0:
                 reason = "exit_interval"
             if reason is not None:
@@ -396,7 +396,7 @@ class _Run:
     def finish(self) -> RunResult:
         """The last save and evaluation, the weights, the sample and the end record."""
         cfg, step = self.cfg, self.step
-        self.checkpoints.finish(step, self.state)
+        self.checkpoints.finish(step, self.state, save=self.exit_reason != "save_failed")
         failed = self.checkpoints.error
         finished = self.exit_reason in ("train_iters", "train_samples")
         if self.evaluating and finished and (not self.val_losses or self.val_losses[-1][0] != step):

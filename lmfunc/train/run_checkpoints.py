@@ -62,12 +62,13 @@ class RunCheckpoints:
         self.saved_step = step
         self.note_commits()
 
-    def finish(self, step: int, state: TrainState) -> None:
-        """The last save (unless the run stopped for a failed one) and the wait for it."""
+    def finish(self, step: int, state: TrainState, save: bool = True) -> None:
+        """The last save (unless ``save`` is False: every rank stopped for a failed one) and the
+        wait for it."""
         if self.manager is None:
             return
         try:
-            if self.saved_step != step and not self.stop_requested:
+            if self.saved_step != step and save:
                 self.save(step, state)
             self.manager.wait()
             self.note_commits()

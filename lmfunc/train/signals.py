@@ -1,7 +1,7 @@
 """Stopping a run cleanly: SIGTERM/SIGINT and time limits, agreed on by every rank.
 
 A handler only records that a signal arrived. After each step the loop asks ``should_stop``: the
-local wish (a signal, or the time limit) is all-reduced with MAX over the ranks (Megatron's
+local wish (a failed checkpoint save, a signal, or the time limit) is all-reduced with MAX over the ranks (Megatron's
 ``DistributedSignalHandler``), so when any rank is told to stop, all of them stop after the same
 step, save one consistent checkpoint and exit.
 """
@@ -59,15 +59,21 @@ class StopRequests:
             return 2
         return 0
 
-    def should_stop(self) -> Optional[str]:
-        """``"signal"`` or ``"exit_duration_in_mins"`` when any rank wants to stop, else None
-        (a collective on a process group: every rank calls it after every step)."""
+    def should_stop(self, save_failed: bool = False) -> Optional[str]:
+        """``"save_failed"`` (``save_failed``: this rank's checkpoint save failed and the run's
+        policy is to stop), ``"signal"`` or ``"exit_duration_in_mins"`` when any rank wants to stop,
+        in that order, else None (a collective on a process group: every rank calls it after every
+        step, so a failure only one rank saw stops every rank after the same step)."""
         reason = self._local_reason()
+        wishes = [save_failed, reason == 1, reason == 2]
         if dist.is_available() and dist.is_initialized():
-            flags = torch.tensor([reason == 1, reason == 2], dtype=torch.int32, device=self.device)
+            flags = torch.tensor(wishes, dtype=torch.int32, device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            reason = 1 if flags[0] else 2 if flags[1] else 0
-        return {0: None, 1: "signal", 2: "exit_duration_in_mins"}[reason]
+            wishes = [bool(flag) for flag in flags.tolist()]
+        for wish, name in zip(wishes, ("save_failed", "signal", "exit_duration_in_mins")):
+            if wish:
+                return name
+        return None
 
     def close(self) -> None:
         """Put the previous handlers back."""
