@@ -157,3 +157,22 @@ def test_shipped_configs_load_and_validate(monkeypatch):
     assert paths
     for path in paths:
         load_config(path).validate()
+
+
+def test_the_lr_schedule_lengths_are_resolved_in_one_place():
+    """``schedule_lengths`` resolves warmup and decay (iterations or samples, the warmup fraction)
+    for both the validation and the optimizer: the schedule's settings are its numbers."""
+    from lmfunc.config.train import OptimConfig, RunConfig, schedule_lengths
+    from lmfunc.train.make_optimizer import schedule_settings
+
+    iters = TrainConfig(run=RunConfig(train_iters=100), optim=OptimConfig(lr_warmup_fraction=0.1, lr_decay_iters=80))
+    samples = TrainConfig(run=RunConfig(train_iters=None, train_samples=640),
+                          optim=OptimConfig(lr_warmup_iters=0, lr_warmup_samples=64, lr_decay_style="WSD",
+                                            lr_wsd_decay_samples=128))
+    assert schedule_lengths(iters.run, iters.optim) == ("iters", 8, 80, None)
+    assert schedule_lengths(samples.run, samples.optim) == ("samples", 64, 640, 128)
+    assert {k: v for k, v in schedule_settings(iters).items() if k.startswith("lr_") and "iters" in k} == {
+        "lr_warmup_iters": 8, "lr_decay_iters": 80, "lr_wsd_decay_iters": None}
+    assert schedule_settings(samples)["lr_wsd_decay_samples"] == 128
+    with pytest.raises(ConfigError, match=r"optim\.lr_warmup_samples \(800\) is longer than the decay .* = 640"):
+        dataclasses.replace(samples, optim=dataclasses.replace(samples.optim, lr_warmup_samples=800)).validate(1)

@@ -1,16 +1,13 @@
-"""The cross-field checks of a ``TrainConfig`` (``TrainConfig.validate`` runs them): each message
-names the fields, their values and the fix."""
+"""The cross-field checks of a run's sections (``TrainConfig.validate`` runs them, section by
+section): each message names the fields, their values and the fix."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from lmfunc.config.model import ConfigError, unbuildable_features
-from lmfunc.config.parallel import check_divisibility
+from lmfunc.config.model import ConfigError, ModelConfig, unbuildable_features
+from lmfunc.config.parallel import ParallelConfig, check_divisibility
 from lmfunc.config.pipeline import check_microbatches, check_schedule_model, pipeline_split
-
-if TYPE_CHECKING:
-    from lmfunc.config.train import CheckpointConfig, PrecisionConfig, RunConfig, TrainConfig
+from lmfunc.config.sections import CheckpointConfig, DataConfig, LogConfig, OptimConfig, PrecisionConfig, RunConfig, \
+    schedule_lengths
 
 
 def resolve_global_batch_size(run: RunConfig, data_parallel_size: int) -> int:
@@ -31,7 +28,7 @@ def _positive(value: object, name: str) -> None:
              f"{name} must be a positive integer, got {value!r}")
 
 
-def _validate_batch(run: RunConfig, dp: int) -> None:
+def validate_batch(run: RunConfig, dp: int) -> None:
     _positive(run.micro_batch_size, "run.micro_batch_size")
     _positive(run.global_batch_size, "run.global_batch_size")
     unit = run.micro_batch_size * dp
@@ -59,8 +56,8 @@ def _validate_batch(run: RunConfig, dp: int) -> None:
                  f"run.micro_batch_size x data-parallel size = {unit}; make START and INCREMENT multiples of {unit}")
 
 
-def _validate_length(cfg: TrainConfig) -> None:
-    run, optim = cfg.run, cfg.optim
+def validate_length(run: RunConfig, optim: OptimConfig) -> None:
+    """The run's length (iterations or samples, not both) and the lr schedule's lengths in its unit."""
     _require((run.train_iters is None) != (run.train_samples is None),
              "set exactly one of run.train_iters (iteration-based) and run.train_samples (sample-based); "
              f"got train_iters={run.train_iters}, train_samples={run.train_samples}")
@@ -73,32 +70,29 @@ def _validate_length(cfg: TrainConfig) -> None:
         _require(optim.lr_warmup_samples == 0,
                  "optim.lr_warmup_samples is for sample-based runs; this run sets run.train_iters, so use "
                  "optim.lr_warmup_iters")
-        unit, total, warmup = "iters", optim.lr_decay_iters or run.train_iters, optim.lr_warmup_iters
     else:
         _positive(run.train_samples, "run.train_samples")
         for name in ("lr_decay_iters", "lr_wsd_decay_iters"):
             _require(getattr(optim, name) is None,
                      f"optim.{name} is for iteration-based runs; this run sets run.train_samples, so use "
                      f"optim.{name.replace('iters', 'samples')}")
-        unit, total, warmup = "samples", optim.lr_decay_samples or run.train_samples, optim.lr_warmup_samples
         _require(optim.lr_warmup_iters == 0 or optim.lr_warmup_fraction is not None,
                  f"optim.lr_warmup_iters ({optim.lr_warmup_iters}) is for iteration-based runs; this run sets "
                  "run.train_samples, so set optim.lr_warmup_iters to 0 and use optim.lr_warmup_samples")
     if optim.lr_warmup_fraction is not None:
         _require(0.0 <= optim.lr_warmup_fraction <= 1.0,
                  f"optim.lr_warmup_fraction must be in [0, 1], got {optim.lr_warmup_fraction}")
-        warmup = int(optim.lr_warmup_fraction * total)
+    unit, warmup, total, wsd = schedule_lengths(run, optim)
     length = "run.train_iters" if unit == "iters" else "run.train_samples"
     _require(0 <= warmup <= total,
              f"optim.lr_warmup_{unit} ({warmup}) is longer than the decay (optim.lr_decay_{unit} or {length} = "
              f"{total}); shorten the warmup or train longer")
     if optim.lr_decay_style == "WSD":
-        wsd = optim.lr_wsd_decay_iters if unit == "iters" else optim.lr_wsd_decay_samples
         _require(wsd is not None and 0 < wsd <= total,
                  f"optim.lr_decay_style WSD needs 0 < optim.lr_wsd_decay_{unit} <= {total}, got {wsd}")
 
 
-def _validate_precision(precision: PrecisionConfig) -> None:
+def validate_precision(precision: PrecisionConfig) -> None:
     _require(precision.compute_dtype in ("fp32", "bf16", "fp16"),
              f"precision.compute_dtype must be fp32, bf16 or fp16, got {precision.compute_dtype!r}")
     _require(precision.loss_scale is None or precision.loss_scale > 0,
@@ -110,7 +104,7 @@ def _validate_precision(precision: PrecisionConfig) -> None:
     _positive(precision.hysteresis, "precision.hysteresis")
 
 
-def _validate_checkpoint(ck: CheckpointConfig) -> None:
+def validate_checkpoint(ck: CheckpointConfig) -> None:
     _require(ck.save_interval is None or ck.save_interval > 0,
              f"checkpoint.save_interval must be positive (or None to save only when the run stops), got {ck.save_interval}")
     _require(ck.keep is None or ck.keep > 0, f"checkpoint.keep must be positive (or None to keep all), got {ck.keep}")
@@ -122,19 +116,18 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
              "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory")
 
 
-def _validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
+def validate_pipeline(model: ModelConfig, parallel: ParallelConfig, run: RunConfig, world_size: int) -> None:
     """The layer split and the schedule's microbatch rule (``lmfunc.config.pipeline``) of a pp > 1
-    run, or of a layer split given without one."""
-    p = cfg.parallel
+    run, or of a layer split given without one (``parallel``'s sizes resolved)."""
+    p = parallel
     uneven = p.pp_first_stage_layers is not None or p.pp_last_stage_layers is not None
     if p.pp == 1 and p.virtual_stages is None and not uneven:
         return
     _require(p.pp > 1, "parallel.virtual_stages / pp_first_stage_layers / pp_last_stage_layers split a pipeline: "
                        "set --parallel.pp to 2 or more, or drop them")
-    split = pipeline_split(cfg.model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
+    split = pipeline_split(model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
                            p.pp_last_stage_layers)
-    check_schedule_model(p.pp_schedule, cfg.model.tie_embeddings, cfg.model.mtp_num_layers, cfg.run.compile)
-    run = cfg.run
+    check_schedule_model(p.pp_schedule, model.tie_embeddings, model.mtp_num_layers, run.compile)
     _require(run.rampup_batch_size is None,
              f"run.rampup_batch_size ({run.rampup_batch_size}) with parallel.pp = {p.pp}: a pipeline schedule is "
              "built for one number of microbatches, so batch shapes are fixed per run; drop the ramp-up or use pp = 1")
@@ -147,40 +140,15 @@ def _validate_pipeline(cfg: TrainConfig, world_size: int) -> None:
             check_microbatches(p.pp_schedule, split, run.global_batch_size // per_rank)
 
 
-def _validate_context_parallel(cfg: TrainConfig) -> None:
+def validate_context_parallel(model: ModelConfig, cp: int) -> None:
     """What context parallelism (``parallel.cp > 1``) does not run with, named."""
-    cp, m = cfg.parallel.cp, cfg.model
-    _require(m.attention_dropout == 0.0,
-             f"model.attention_dropout = {m.attention_dropout} with parallel.cp = {cp}: the attention over keys "
+    _require(model.attention_dropout == 0.0,
+             f"model.attention_dropout = {model.attention_dropout} with parallel.cp = {cp}: the attention over keys "
              "gathered across cp has no dropout; set --model.attention-dropout 0")
 
 
-def untrainable_features(cfg: TrainConfig, world_size: int = 1) -> list[str]:
-    """The settings of ``cfg`` that ``lmfunc.plan`` plans but the trainer cannot run yet on
-    ``world_size`` processes, each named with its value (empty when the run is trainable): the MoE
-    and MLA settings the model does not build; every parallel layout trains."""
-    return unbuildable_features(cfg.model)
-
-
-def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False) -> None:
-    """Cross-field checks of a ``TrainConfig`` run on ``world_size`` processes (each section's own
-    fields are checked too). ``planning`` accepts what only ``lmfunc.plan`` handles
-    (``untrainable_features``)."""
-    run, data, optim, log = cfg.run, cfg.data, cfg.optim, cfg.log
-    if not planning:
-        missing = untrainable_features(cfg, world_size)
-        _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
-                              "lmfunc.plan plans such runs)")
-    if cfg.parallel.cp > 1:
-        _validate_context_parallel(cfg)
-    _require(not cfg.model.scan_layers or world_size == 1,
-             f"model.scan_layers runs on one process only (this run has {world_size}): torch's scan does "
-             "not take the DTensor parameters of a parallel layout yet; turn it off (--model.no-scan-layers) "
-             "for multi-process runs")
-    _validate_batch(run, cfg.parallel.data_parallel_size(world_size))
-    _validate_pipeline(cfg, world_size)
-    _require(cfg.parallel.bucket_size_mb > 0, f"parallel.bucket_size_mb must be positive, got {cfg.parallel.bucket_size_mb}")
-    _validate_length(cfg)
+def validate_data(data: DataConfig, model: ModelConfig) -> None:
+    """One data source, and sequences the model is built for."""
     _positive(data.seq_length, "data.seq_length")
     per_split = data.train_path is not None or data.valid_path is not None or data.test_path is not None
     _require(not per_split or data.train_path is not None,
@@ -188,12 +156,16 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     sources = [name for name, on in (("data.path", data.path is not None), ("data.train_path", per_split),
                                      ("data.text_file", data.text_file is not None), ("data.mock", data.mock)) if on]
     _require(len(sources) <= 1, f"{' and '.join(sources)} are both set; choose one data source")
-    table = ("the learned position table" if cfg.model.position_embedding_type == "learned_absolute"
+    table = ("the learned position table" if model.position_embedding_type == "learned_absolute"
              else "the longest sequence the model is built for (generation's context too)")
-    _require(data.seq_length <= cfg.model.max_position_embeddings,
+    _require(data.seq_length <= model.max_position_embeddings,
              f"data.seq_length ({data.seq_length}) exceeds model.max_position_embeddings "
-             f"({cfg.model.max_position_embeddings}), {table}; raise --model.max-position-embeddings to at least "
+             f"({model.max_position_embeddings}), {table}; raise --model.max-position-embeddings to at least "
              f"{data.seq_length} or lower --data.seq-length (Megatron requires max_position_embeddings >= seq_length)")
+
+
+def validate_optim(optim: OptimConfig) -> None:
+    """AdamW's settings and the learning rates of every parameter group."""
     _require(optim.lr > 0 and 0 <= optim.min_lr <= optim.lr,
              f"need optim.lr > 0 and 0 <= optim.min_lr <= optim.lr, got lr={optim.lr}, min_lr={optim.min_lr}")
     _require(0 <= optim.adam_beta1 < 1 and 0 <= optim.adam_beta2 < 1,
@@ -203,6 +175,17 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     _require(not (optim.override_opt_param_scheduler and optim.use_checkpoint_opt_param_scheduler),
              "optim.override_opt_param_scheduler and optim.use_checkpoint_opt_param_scheduler exclude each other: "
              "pick this run's schedule or the checkpoint's")
+    if optim.decoupled_lr is not None or optim.decoupled_min_lr is not None:
+        _require(optim.decoupled_lr is not None, "optim.decoupled_min_lr needs optim.decoupled_lr")
+        low = optim.min_lr if optim.decoupled_min_lr is None else optim.decoupled_min_lr
+        _require(optim.decoupled_lr > 0 and 0 <= low <= optim.decoupled_lr,
+                 f"need optim.decoupled_lr > 0 and 0 <= decoupled_min_lr (or min_lr) <= decoupled_lr, got "
+                 f"decoupled_lr={optim.decoupled_lr}, decoupled_min_lr={optim.decoupled_min_lr}, min_lr={optim.min_lr}")
+    _require(optim.lr_mult > 0, f"optim.lr_mult must be positive, got {optim.lr_mult}")
+
+
+def validate_log(log: LogConfig, world_size: int) -> None:
+    """Intervals, timers, the profiler's steps and ranks, the MFU peak."""
     _positive(log.log_interval, "log.log_interval")
     _require(log.grad_underflow_interval is None or log.grad_underflow_interval > 0,
              f"log.grad_underflow_interval must be positive (or unset), got {log.grad_underflow_interval}")
@@ -215,25 +198,41 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
         _require(not bad, f"log.profile_ranks {list(log.profile_ranks)}: rank(s) {bad} do not exist in a world of "
                           f"{world_size} process(es); name ranks 0..{world_size - 1}")
     _require(log.peak_flops is None or log.peak_flops > 0, f"log.peak_flops must be positive, got {log.peak_flops}")
+
+
+def validate_run(run: RunConfig) -> None:
+    """Evaluation, exit conditions and the sample at the end."""
     _positive(run.eval_interval, "run.eval_interval")
     _require(run.eval_iters >= 0, f"run.eval_iters must be >= 0, got {run.eval_iters}")
     _require(run.exit_duration_in_mins is None or run.exit_duration_in_mins > 0,
              f"run.exit_duration_in_mins must be positive, got {run.exit_duration_in_mins}")
     _require(run.exit_interval is None or run.exit_interval > 0,
              f"run.exit_interval must be positive, got {run.exit_interval}")
-    _validate_checkpoint(cfg.checkpoint)
     _require(run.sample_tokens >= 0, f"run.sample_tokens must be >= 0, got {run.sample_tokens}")
-    _validate_precision(cfg.precision)
-    if optim.decoupled_lr is not None or optim.decoupled_min_lr is not None:
-        _require(optim.decoupled_lr is not None, "optim.decoupled_min_lr needs optim.decoupled_lr")
-        low = optim.min_lr if optim.decoupled_min_lr is None else optim.decoupled_min_lr
-        _require(optim.decoupled_lr > 0 and 0 <= low <= optim.decoupled_lr,
-                 f"need optim.decoupled_lr > 0 and 0 <= decoupled_min_lr (or min_lr) <= decoupled_lr, got "
-                 f"decoupled_lr={optim.decoupled_lr}, decoupled_min_lr={optim.decoupled_min_lr}, min_lr={optim.min_lr}")
-    _require(optim.lr_mult > 0, f"optim.lr_mult must be positive, got {optim.lr_mult}")
-    sizes = cfg.parallel.sizes(world_size)
-    check_divisibility(sizes, cfg.model, data.seq_length)
+
+
+def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int, planning: bool) -> None:
+    """What the model and the layout (``parallel``'s sizes resolved) can run with: the settings the
+    model does not build (accepted when ``planning``: ``lmfunc.plan`` plans them), context
+    parallelism's limits, ``scan_layers`` on one process, a positive bucket size."""
+    if not planning:
+        missing = unbuildable_features(model)
+        _require(not missing, f"{'; '.join(missing)}: not implemented in this version of lmfunc (python -m "
+                              "lmfunc.plan plans such runs)")
+    if parallel.cp > 1:
+        validate_context_parallel(model, parallel.cp)
+    _require(not model.scan_layers or world_size == 1,
+             f"model.scan_layers runs on one process only (this run has {world_size}): torch's scan does "
+             "not take the DTensor parameters of a parallel layout yet; turn it off (--model.no-scan-layers) "
+             "for multi-process runs")
+    _require(parallel.bucket_size_mb > 0, f"parallel.bucket_size_mb must be positive, got {parallel.bucket_size_mb}")
+
+
+def validate_mesh(model: ModelConfig, parallel: ParallelConfig, run: RunConfig, seq_length: int, world_size: int) -> None:
+    """The model split by the mesh's sizes, and what torch 2.13 compiles on a mesh of several dims."""
+    sizes = parallel.sizes(world_size)
+    check_divisibility(sizes, model, seq_length)
     mesh_dims = [name for name, size in sizes.items() if size > 1]
-    _require(not (run.compile and cfg.model.mtp_num_layers and len(mesh_dims) > 1),
+    _require(not (run.compile and model.mtp_num_layers and len(mesh_dims) > 1),
              f"model.mtp_num_layers > 0 on a {len(mesh_dims)}-D mesh ({' x '.join(mesh_dims)}) does not compile with "
              "torch 2.13 (Dynamo: PendingUnbackedSymbolNotFound); use a 1-D layout or --run.no-compile")

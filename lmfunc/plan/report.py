@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lmfunc.config.model import unbuildable_features
 from lmfunc.config.train import TrainConfig
-from lmfunc.config.train_checks import untrainable_features
 from lmfunc.plan.megatron import MB, MegatronArgs, MegatronReport, megatron_report
 from lmfunc.plan.memory import MemoryPlan, predict_memory
 from lmfunc.plan.pipeline_memory import predict_pipeline_memory
@@ -37,7 +37,7 @@ class Plan:
 def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
     """The plan of ``cfg`` (validated, ``run.global_batch_size`` resolved) on ``world_size`` processes."""
     sizes = cfg.parallel.sizes(world_size)
-    untrainable = untrainable_features(cfg, world_size)
+    untrainable = unbuildable_features(cfg.model)
     prediction, unpredicted = None, []
     m = cfg.model
     moe_unmeasured = m.num_experts is not None and m.recompute_granularity == "full"

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from lmfunc.config.train import TrainConfig
+from lmfunc.config.train import TrainConfig, schedule_lengths
 from lmfunc.optim import GradientTransformation, add_decayed_weights, chain, scale_by_adam, warmup_decay_schedule
 from lmfunc.optim.partition import multi_transform, name_matches, param_labels
 from lmfunc.optim.transforms import Schedule, scale_by_learning_rate
@@ -34,14 +34,8 @@ def schedule_settings(cfg: TrainConfig) -> dict[str, object]:
     """The settings that decide the run's learning rates and weight decay, resolved (decay length
     and warmup in iterations, or in samples for a sample-based run), keyed by their ``optim``
     field names: Megatron's ``OptimizerParamScheduler`` state, which a resume compares."""
-    optim, run = cfg.optim, cfg.run
-    unit = "iters" if run.train_iters is not None else "samples"
-    if unit == "iters":
-        decay, warmup, wsd = optim.lr_decay_iters or run.train_iters, optim.lr_warmup_iters, optim.lr_wsd_decay_iters
-    else:
-        decay, warmup, wsd = optim.lr_decay_samples or run.train_samples, optim.lr_warmup_samples, optim.lr_wsd_decay_samples
-    if optim.lr_warmup_fraction is not None:
-        warmup = int(optim.lr_warmup_fraction * decay)
+    optim = cfg.optim
+    unit, warmup, decay, wsd = schedule_lengths(cfg.run, optim)
     return {
         "lr": optim.lr, "min_lr": optim.min_lr, "lr_warmup_init": optim.lr_warmup_init,
         f"lr_warmup_{unit}": warmup, f"lr_decay_{unit}": decay, "lr_decay_style": optim.lr_decay_style,
@@ -63,7 +57,7 @@ def build_lr_schedule(
     still starts from ``optim.lr_warmup_init``.
     """
     run, settings = cfg.run, schedule_settings(cfg)
-    unit = "iters" if run.train_iters is not None else "samples"
+    unit = schedule_lengths(run, cfg.optim).unit
     schedule = warmup_decay_schedule(
         settings["lr"] if max_lr is None else max_lr, settings["min_lr"] if min_lr is None else min_lr,
         settings[f"lr_warmup_{unit}"], settings[f"lr_decay_{unit}"], settings["lr_decay_style"],
