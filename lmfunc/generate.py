@@ -45,6 +45,17 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def sample_text(params: Params, cfg: ModelConfig, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> Optional[str]:
+    """The text ``generate`` continues ``prompt`` with (temperature 0.8, top-k 40; the whole text,
+    prompt included), at most ``max_new_tokens`` tokens within ``cfg.max_position_embeddings``;
+    None when no token fits. An empty prompt starts from the tokenizer's end-of-document token."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eod]
+    new_tokens = min(max_new_tokens, cfg.max_position_embeddings - len(ids))
+    if new_tokens <= 0:
+        return None
+    return tokenizer.decode(generate(params, cfg, ids, new_tokens, temperature=0.8, top_k=40, seed=seed).tolist())
+
+
 def _check_sampling(max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

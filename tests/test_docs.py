@@ -212,3 +212,16 @@ def test_what_the_docs_say_is_refused_is_what_validation_refuses(capsys, monkeyp
     listed = len(REFUSED_MODEL_SETTINGS)
     found = sum(len(unbuildable_features(dataclasses.replace(model_preset(p), **s))) for p, s in everything.items())
     assert found == listed, "unbuildable_features refuses a setting this test does not list"
+
+
+def test_every_library_module_stays_within_the_400_line_guide():
+    """The guide's file size (aim < 400 lines): a module that outgrows it owns more than one idea."""
+    over = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "lmfunc")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    lines = sum(1 for _ in f)
+                if lines > 400:
+                    over[os.path.relpath(os.path.join(folder, name), ROOT)] = lines
+    assert not over, f"split these modules by what they own: {over}"

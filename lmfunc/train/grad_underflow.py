@@ -12,16 +12,19 @@ low-precision gradient but not in the fp32 one.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from lmfunc.config import ModelConfig
+from lmfunc.config.train import TrainConfig
 from lmfunc.grad import value_and_grad
 from lmfunc.loss import LossOutput, lm_loss
-from lmfunc.precision import cast_params
+from lmfunc.precision import cast_params, compute_dtype
 from lmfunc.tree import PyTree, flatten_with_paths
+from lmfunc.train.state import TrainState
+from lmfunc.train.step import distributed_context
 
 GROUPS = ("embedding", "attention", "mlp", "norms", "output", "mtp")
 
@@ -95,3 +98,25 @@ def gradient_underflow(
     fractions["all"] = sum(lost.values()) / max(total, 1)
     fractions["overflow"] = non_finite / max(total, 1)
     return fractions
+
+
+def underflow_at_step(cfg: TrainConfig, state: TrainState, batch: Mapping[str, torch.Tensor], step: int, first: bool,
+                      pipelined: bool, echo: Callable[[str], None]) -> Optional[dict[str, float]]:
+    """At the run's ``first`` step and every ``log.grad_underflow_interval`` steps of a low-precision
+    run: the ``gradient_underflow`` fractions of the step's first microbatch (``batch`` is
+    ``[microbatches, B, S]``) at ``state``'s params and loss scale, with ``loss_scale``; else None.
+    Not measured under pipeline parallelism (said once through ``echo``): it differentiates the
+    whole model on one rank."""
+    interval, precision = cfg.log.grad_underflow_interval, cfg.precision
+    if interval is None or precision.compute_dtype == "fp32" or (not first and step % interval != 0):
+        return None
+    if pipelined:
+        if first:
+            echo("log.grad_underflow_interval: not measured under pipeline parallelism (it differentiates the whole "
+                 "model on one rank)")
+        return None
+    scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
+    with distributed_context(state.params):
+        fractions = gradient_underflow(state.params, {k: v[0] for k, v in batch.items()}, cfg.model,
+                                       compute_dtype(precision.compute_dtype), scale)
+    return {"loss_scale": scale, **fractions}

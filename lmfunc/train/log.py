@@ -12,8 +12,12 @@ from typing import Any, Optional
 from tqdm import tqdm
 
 from lmfunc.config.model import ConfigError, ModelConfig
+from lmfunc.config.train import TrainConfig
+from lmfunc.model.gpt import param_shapes
 from lmfunc.model.moe import moe_layer_names
+from lmfunc.parallel.mesh import Layout
 from lmfunc.train.state import TrainState
+from lmfunc.tree import tree_size
 
 
 def _tensorboard_writer_class():
@@ -167,3 +171,23 @@ def read_log(path: str) -> list[dict]:
     """The records of a ``log.jsonl`` file."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def run_announcement(cfg: TrainConfig, layout: Layout, run_dir: Optional[str], processes: int, train_samples: int,
+                     valid_samples: int, train_iters: int, flops_token: float, peak_flops: float, peak_source: str) -> str:
+    """The lines a run prints before its first step: its directory, mesh, data, batch, model size,
+    FLOPs per token and the MFU peak (``peak_flops`` over all ``processes``)."""
+    data, seq = cfg.data, cfg.data.seq_length
+    source = data.path or data.train_path or data.text_file or ("mock" if data.mock else "embedded corpus")
+    return (
+        f"run directory: {run_dir}\n"
+        + (f"mesh: {dict(zip(layout.dims(), layout.mesh.mesh.shape))} over {processes} processes\n"
+           if layout.mesh is not None else "")
+        + f"data: {train_samples} train / {valid_samples} validation samples of {seq} tokens "
+        f"({source}); {train_iters} steps of global batch {cfg.run.global_batch_size} "
+        f"(micro batch {cfg.run.micro_batch_size} x data-parallel {layout.data_parallel_size}"
+        + (f", ramp-up {cfg.run.rampup_batch_size}" if cfg.run.rampup_batch_size else "") + "); model"
+        f" {tree_size(param_shapes(cfg.model)) / 1e6:.2f}M params, "
+        f"{flops_token / 1e6:.2f} MFLOP/token; MFU peak {peak_flops / 1e9:.1f} GFLOP/s "
+        f"({peak_source}" + (f", x {processes} processes" if processes > 1 else "") + f"); device {layout.device}"
+    )

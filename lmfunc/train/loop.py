@@ -16,39 +16,36 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from lmfunc import model
 from lmfunc.checkpoint.locate import CONFIG_FILE
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
 from lmfunc.config.yaml_io import config_to_dict, config_yaml, save_config
 from lmfunc.data.loader import PrefetchLoader
 from lmfunc.data.tokenizer import load_tokenizer, padded_vocab_size
-from lmfunc.generate import generate
+from lmfunc.generate import sample_text
 from lmfunc.metrics import Throughput, memory_stats_mib, peak_flops
 from lmfunc.plan.report import format_plan, make_plan
 from lmfunc.parallel.mesh import Layout, build_mesh, launched_world_size, resolve_device
 from lmfunc.parallel.sharding import full_tensors
 from lmfunc.precision import check_for_nan_in_loss, compute_dtype, set_tf32
 from lmfunc.train.batch_plan import BatchPlan
-from lmfunc.train.grad_underflow import gradient_underflow
+from lmfunc.train.grad_underflow import underflow_at_step
 from lmfunc.train.resume import check_writable, prepare_run_paths_on_every_rank, restore_state
 from lmfunc.train.host_memory import keep_freed_host_memory
 from lmfunc.train.run_checkpoints import RunCheckpoints
 from lmfunc.train.run_lock import RunLock
-from lmfunc.train.log import RunLogger, WandbSettings, router_layer_values, step_extras, train_line
+from lmfunc.train.log import RunLogger, WandbSettings, router_layer_values, run_announcement, step_extras, train_line
 from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
 from lmfunc.train.params import initial_params
-from lmfunc.train.pipeline_run import gather_pipeline_params, initial_rank_params, pipeline_rank
-from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
+from lmfunc.train.pipeline_run import gather_pipeline_params, initial_rank_params, pipeline_rank, pipeline_steps
 from lmfunc.train.profiling import StepProfiler
 from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
 from lmfunc.train.skipped_steps import first_step_overflow, mostly_skipped
 from lmfunc.train.state import TrainState
-from lmfunc.train.step import distributed_context, evaluate, make_eval_step, make_train_step
-from lmfunc.tree import tree_size
+from lmfunc.train.step import evaluate, make_eval_step, make_train_step
 
 
 @dataclasses.dataclass
@@ -62,15 +59,6 @@ class RunResult:
     val_losses: list[tuple[int, float]]
     sample: Optional[str]
     exit_reason: str
-
-
-def _sample_text(params, cfg: TrainConfig, tokenizer) -> Optional[str]:
-    prompt = tokenizer.encode(cfg.run.sample_prompt) or [tokenizer.eod]
-    new_tokens = min(cfg.run.sample_tokens, cfg.model.max_position_embeddings - len(prompt))
-    if new_tokens <= 0:
-        return None
-    tokens = generate(params, cfg.model, prompt, new_tokens, temperature=0.8, top_k=40, seed=cfg.run.seed)
-    return tokenizer.decode(tokens.tolist())
 
 
 def train(cfg: TrainConfig) -> RunResult:
@@ -177,7 +165,7 @@ class _Run:
         self.exit_reason = "train_iters" if run.train_iters is not None else "train_samples"
 
     def _set_up_throughput_and_announce(self) -> None:
-        cfg, layout, seq = self.cfg, self.layout, self.cfg.data.seq_length
+        cfg, layout = self.cfg, self.layout
         processes = dist.get_world_size() if dist.is_initialized() else 1
         plan = make_plan(cfg, processes)
         self.logger.echo(format_plan(plan))
@@ -185,21 +173,9 @@ class _Run:
         peak, peak_source = peak_flops(layout.device, cfg.precision.compute_dtype, cfg.precision.tf32, cfg.log.peak_flops)
         self.peak_flops = peak * processes
         self.flops_token = plan.flops_per_token
-        data = cfg.data
-        source = data.path or data.train_path or data.text_file or ("mock" if data.mock else "embedded corpus")
-        valid = len(self.valid_data) if self.valid_data else 0
-        self.logger.echo(
-            f"run directory: {self.run_dir}\n"
-            + (f"mesh: {dict(zip(layout.dims(), layout.mesh.mesh.shape))} over {processes} processes\n"
-               if layout.mesh is not None else "")
-            + f"data: {len(self.train_data)} train / {valid} validation samples of {seq} tokens "
-            f"({source}); {self.train_iters} steps of global batch {cfg.run.global_batch_size} "
-            f"(micro batch {cfg.run.micro_batch_size} x data-parallel {layout.data_parallel_size}"
-            + (f", ramp-up {cfg.run.rampup_batch_size}" if cfg.run.rampup_batch_size else "") + "); model"
-            f" {tree_size(model.param_shapes(cfg.model)) / 1e6:.2f}M params, "
-            f"{self.flops_token / 1e6:.2f} MFLOP/token; MFU peak {self.peak_flops / 1e9:.1f} GFLOP/s "
-            f"({peak_source}" + (f", x {processes} processes" if processes > 1 else "") + f"); device {layout.device}"
-        )
+        self.logger.echo(run_announcement(cfg, layout, self.run_dir, processes, len(self.train_data),
+                                          len(self.valid_data) if self.valid_data else 0, self.train_iters,
+                                          self.flops_token, self.peak_flops, peak_source))
 
     def _set_up_state_and_steps(self) -> None:
         cfg, run, plan, iters = self.cfg, self.cfg.run, self.plan, self.train_iters
@@ -243,23 +219,9 @@ class _Run:
                                         bucket_size_mb=buckets)
 
     def _set_up_pipeline_steps(self, tx, schedule, loss_scale, dtype) -> None:
-        """The pipeline rank's train and eval steps (``lmfunc.train.pipeline_step``): torch's schedule
-        over this rank's stages, every rank loading its data-parallel part of the batch."""
-        cfg, pipe, device = self.cfg, self.pipe, self.layout.device
-        microbatches = self.plan.num_microbatches_at(0)
-        compile = cfg.run.compile
-        self.train_step = make_pipeline_train_step(
-            cfg.model, tx, pipe.split, pipe.schedule, microbatches, clip_grad=cfg.optim.clip_grad,
-            lr_schedule=schedule, compute_dtype=dtype, loss_scale=loss_scale, device=device, compile=compile,
-            mesh=pipe.mesh, donate_state=True)
-        self.eval_step = make_pipeline_eval_step(cfg.model, pipe.split, pipe.schedule, microbatches,
-                                                 compute_dtype=dtype, device=device, compile=compile, mesh=pipe.mesh)
-        self.logger.echo(f"pipeline: {pipe.schedule} over pp {pipe.split.pp} ({pipe.split.num_stages} stages, "
-                         f"{microbatches} microbatches per step); rank 0 runs "
-                         + ", ".join(f"stage {s}: layers {list(pipe.split.layers[s])}"
-                                     for s in pipe.split.stages_of_rank(0))
-                         + ("; each stage's forward and backward and the update compiled" if compile
-                            else "; eager"))
+        self.train_step, self.eval_step, description = pipeline_steps(
+            self.cfg, self.pipe, self.plan.num_microbatches_at(0), tx, schedule, loss_scale, dtype, self.layout.device)
+        self.logger.echo(description)
 
     def _train_batch(self, start: int) -> tuple[int, dict]:
         microbatches = self.plan.num_microbatches_at(start)
@@ -308,26 +270,14 @@ class _Run:
         self.logger.end_progress()
 
     def _measure_underflow(self, step: int, batch: dict) -> None:
-        """At the first step and every ``log.grad_underflow_interval`` steps of a low-precision run:
-        the gradient-underflow fractions of the step's first microbatch at the current params and
-        loss scale (``gradient_underflow``), as an ``underflow`` record. Not counted in tokens/s."""
-        interval, precision = self.cfg.log.grad_underflow_interval, self.cfg.precision
-        if interval is None or precision.compute_dtype == "fp32":
-            return
-        if step != self.start_step + 1 and step % interval != 0:
-            return
-        if self.pipe is not None:
-            if step == self.start_step + 1:
-                self.logger.echo("log.grad_underflow_interval: not measured under pipeline parallelism (it "
-                                 "differentiates the whole model on one rank)")
-            return
+        """The ``underflow`` record at the steps ``log.grad_underflow_interval`` asks for
+        (``underflow_at_step``); not counted in tokens/s."""
         began = time.perf_counter()
-        scale = float(self.state.loss_scale.scale) if self.state.loss_scale is not None else 1.0
-        with distributed_context(self.state.params):
-            fractions = gradient_underflow(self.state.params, {k: v[0] for k, v in batch.items()}, self.cfg.model,
-                                           compute_dtype(precision.compute_dtype), scale)
-        self.logger.record("underflow", step, loss_scale=scale, **fractions)
-        self.meter.pause(time.perf_counter() - began)
+        fractions = underflow_at_step(self.cfg, self.state, batch, step, step == self.start_step + 1,
+                                      self.pipe is not None, self.logger.echo)
+        if fractions is not None:
+            self.logger.record("underflow", step, **fractions)
+            self.meter.pause(time.perf_counter() - began)
 
     def _after_step(self, step: int, microbatches: int, metrics: dict, loss: float) -> None:
         """The NaN check, the counters, the progress bar and, at the log interval, the log record."""
@@ -407,7 +357,7 @@ class _Run:
             final_params = full_tensors(self.state.params) if self.layout.mesh is not None else self.state.params
         if (cfg.checkpoint.save_weights or failed is not None) and self.run_dir is not None:
             self.checkpoints.write_weights(final_params, self.run_dir, step, self.logger.echo)
-        sample = (_sample_text(final_params, cfg, self.tokenizer)
+        sample = (sample_text(final_params, cfg.model, self.tokenizer, cfg.run.sample_prompt, cfg.run.sample_tokens, cfg.run.seed)
                   if cfg.run.sample_tokens > 0 and self.main_rank and finished else None)
         duration = time.perf_counter() - self.started
         self.memory_watch.report(self.logger, step, "end")

@@ -12,7 +12,7 @@ model-wide names, so it loads on any other layout, or on one process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from lmfunc.model import gpt
 from lmfunc.parallel.mesh import Layout
 from lmfunc.parallel.sharding import full_tensors, init_sharded, shard_params
 from lmfunc.model.stages import rank_params
+from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path, tree_unflatten_as
 
 
@@ -106,3 +107,22 @@ def gather_pipeline_params(params: PyTree, cfg: ModelConfig, pipe: PipelineRank,
         dist.broadcast(leaf, src=dist.get_global_rank(pipe.group, owner), group=pipe.group)
         leaves.append(leaf)
     return tree_unflatten_as(whole, leaves)
+
+
+def pipeline_steps(cfg: TrainConfig, pipe: PipelineRank, microbatches: int, tx, lr_schedule, loss_scale,
+                   compute_dtype: torch.dtype, device: torch.device) -> tuple[Callable, Callable, str]:
+    """The pipeline rank's train and eval steps (``lmfunc.train.pipeline_step``): torch's schedule
+    over this rank's stages for ``microbatches`` per step, every rank loading its data-parallel
+    part of the batch; and the line that describes them."""
+    compile = cfg.run.compile
+    train_step = make_pipeline_train_step(
+        cfg.model, tx, pipe.split, pipe.schedule, microbatches, clip_grad=cfg.optim.clip_grad,
+        lr_schedule=lr_schedule, compute_dtype=compute_dtype, loss_scale=loss_scale, device=device, compile=compile,
+        mesh=pipe.mesh, donate_state=True)
+    eval_step = make_pipeline_eval_step(cfg.model, pipe.split, pipe.schedule, microbatches,
+                                        compute_dtype=compute_dtype, device=device, compile=compile, mesh=pipe.mesh)
+    description = (f"pipeline: {pipe.schedule} over pp {pipe.split.pp} ({pipe.split.num_stages} stages, "
+                   f"{microbatches} microbatches per step); rank 0 runs "
+                   + ", ".join(f"stage {s}: layers {list(pipe.split.layers[s])}" for s in pipe.split.stages_of_rank(0))
+                   + ("; each stage's forward and backward and the update compiled" if compile else "; eager"))
+    return train_step, eval_step, description

@@ -56,7 +56,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from lmfunc.config.parallel import data_parallel_size as config_data_parallel_size
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSplit, check_schedule_model
 from lmfunc.compiler.compiling import compile_settings, compile_step, retained_backward_settings
@@ -68,6 +67,7 @@ from lmfunc.parallel.sharding import context_split, local_batch_to_dtensor, matc
 from lmfunc.precision import LossScaleConfig, all_finite
 from lmfunc.model import moe
 from lmfunc.model.stages import shared_leaves, stage_moe_layers, stage_params
+from lmfunc.train.pipeline_groups import data_parallel_size, embedding_group, pipeline_groups
 from lmfunc.train.pipeline_stages import StageModule, router_sums, unpacked_router
 from lmfunc.train.state import TrainState
 from lmfunc.train.step import (Batch, Metrics, check_batch, check_no_shared_storage, microbatch_seed, skip_on_overflow,
@@ -109,7 +109,7 @@ def make_pipeline_train_step(
     if cfg.scan_layers:
         raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
     check_schedule_model(schedule, cfg.tie_embeddings, cfg.mtp_num_layers, compile)
-    group, data = _groups(group, mesh)
+    group, data = pipeline_groups(group, mesh)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world != split.pp:
         raise ValueError(f"the pipeline group has {world} ranks but the split has parallel.pp = {split.pp}")
@@ -123,8 +123,8 @@ def make_pipeline_train_step(
     shared = set(shared_leaves(cfg, split))
     moe_layers = moe.moe_layer_names(cfg)
     held_moe_layers = sorted(i for stage in split.stages_of_rank(rank) for i in stage_moe_layers(cfg, split, stage))
-    embedding_group = (_embedding_group(group, mesh, sorted({first_rank, last_rank}))
-                       if shared and first_rank != last_rank else None)
+    tied_group = (embedding_group(group, mesh, sorted({first_rank, last_rank}))
+                  if shared and first_rank != last_rank else None)
     modules: dict[int, StageModule] = {}
     runtime: dict = {}
 
@@ -152,10 +152,10 @@ def make_pipeline_train_step(
         grads = _gather_grads(state.params, modules)
         if data is not None:
             grads = match_placements(grads, state.params)
-        if embedding_group is not None and rank in (first_rank, last_rank):
+        if tied_group is not None and rank in (first_rank, last_rank):
             embedding = grads["embed"]["tokens"]
             dist.all_reduce(embedding.to_local() if isinstance(embedding, DTensor) else embedding,
-                            group=embedding_group)
+                            group=tied_group)
         sums = _metric_sums(modules, num_micro, 1 + 2 * cfg.mtp_num_layers, device, lambda out: torch.cat(
             [out.loss_sum.reshape(1), out.mtp_loss_sums, out.mtp_num_tokens]))
         if moe_layers:
@@ -194,27 +194,6 @@ def _schedule_context(compiled: bool, first_call: bool, schedule: str, on_mesh: 
         yield
 
 
-def _groups(group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh]):
-    """The pipeline group and the data mesh (the mesh without ``pp``; None when it has no other dim)
-    of a step built over ``group`` or ``mesh``."""
-    if mesh is None:
-        return (group if group is not None else dist.group.WORLD), None
-    if group is not None:
-        raise ValueError("give the pipeline step a process group or a mesh, not both")
-    names = tuple(mesh.mesh_dim_names)
-    if "pp" not in names:
-        raise ValueError(f"the pipeline step's mesh needs a 'pp' dim, got dims {names}")
-    others = tuple(name for name in names if name != "pp")
-    return mesh.get_group("pp"), (mesh[others] if others else None)
-
-
-def data_parallel_size(data_mesh: Optional[DeviceMesh]) -> int:
-    """How many data-parallel parts a batch has on ``data_mesh`` (1 without one)."""
-    if data_mesh is None:
-        return 1
-    return int(config_data_parallel_size(dict(zip(data_mesh.mesh_dim_names, data_mesh.mesh.shape))))
-
-
 def _token_count(batch: Batch, data_mesh: Optional[DeviceMesh]) -> torch.Tensor:
     """The loss tokens of the whole step's global batch (``batch`` is this rank's data-parallel part)."""
     if "loss_mask" not in batch:
@@ -240,23 +219,6 @@ def _metric_sums(modules: dict, num_micro: int, size: int, device: torch.device,
     return total.full_tensor() if isinstance(total, DTensor) else total
 
 
-def _embedding_group(group: dist.ProcessGroup, mesh: Optional[DeviceMesh], ranks: list[int]):
-    """Megatron's embedding group: the pipeline ranks ``ranks`` (first and last stage) at this
-    process's data- and tensor-parallel coordinates. Every process creates every coordinate's group
-    (``new_group`` is collective over the world) and keeps its own."""
-    if mesh is None:
-        return dist.new_group([dist.get_global_rank(group, r) for r in ranks])
-    grid = mesh.mesh.movedim(list(mesh.mesh_dim_names).index("pp"), 0)
-    grid = grid.reshape(grid.shape[0], -1)
-    mine = None
-    for column in range(grid.shape[1]):
-        members = [int(grid[r, column]) for r in ranks]
-        created = dist.new_group(members)
-        if dist.get_rank() in members:
-            mine = created
-    return mine
-
-
 def make_pipeline_eval_step(
     cfg: ModelConfig,
     split: PipelineSplit,
@@ -278,7 +240,7 @@ def make_pipeline_eval_step(
     fails there. ``mesh`` as for ``make_pipeline_train_step``."""
     if cfg.scan_layers:
         raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
-    group, data = _groups(group, mesh)
+    group, data = pipeline_groups(group, mesh)
     rank = dist.get_rank(group)
     first_rank, last_rank = split.rank_of_stage(0), split.rank_of_stage(split.num_stages - 1)
     modules: dict[int, StageModule] = {}
