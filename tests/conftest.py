@@ -40,6 +40,26 @@ the slow tests end inside CI's 90-minute budget). Each test not started is repor
 the reason, in pytest's summary."""
 
 
+SLOW_ROTATION = "LMFUNC_SLOW_TESTS_ROTATE"
+"""Environment variable: a string (``.ci/run`` gives the commit's hash) from which the slow tests'
+order is rotated, so a run stopped by the time budget leaves out different tests each commit
+instead of always the last ones in file order."""
+
+
+@pytest.hookimpl(trylast=True)  # after ``-m slow`` has deselected the rest
+def pytest_collection_modifyitems(config, items):
+    rotation = os.environ.get(SLOW_ROTATION)
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if not rotation or not slow or len(slow) != len(items):
+        return
+    import zlib
+
+    offset = zlib.crc32(rotation.encode()) % len(items)
+    while offset and items[offset].module is items[offset - 1].module:  # keep each file's tests together
+        offset -= 1
+    items[:] = items[offset:] + items[:offset]
+
+
 def pytest_runtest_setup(item):
     deadline = os.environ.get(SLOW_DEADLINE)
     if deadline and item.get_closest_marker("slow") is not None:
