@@ -36,11 +36,8 @@ def resolve_sizes(sizes: dict[str, Optional[int]], world_size: int) -> dict[str,
     wild = [name for name, size in sizes.items() if size == -1]
     if len(wild) > 1:
         raise ConfigError(f"only one parallel size may be -1 ('the rest'), got -1 for {', '.join('parallel.' + n for n in wild)}")
-    unset = [name for name, size in sizes.items() if size is None]
-    resolved = {name: (1 if size is None and wild else size) for name, size in sizes.items()}
-    rest = wild or unset[:1]
-    for name in unset[1:]:
-        resolved[name] = 1
+    rest = wild or [name for name, size in sizes.items() if size is None][:1]
+    resolved = {name: (1 if size is None and name not in rest else size) for name, size in sizes.items()}
     check_sizes({name: size for name, size in resolved.items() if name not in rest})
     if rest:
         name = rest[0]
