@@ -7,7 +7,7 @@ from lmfunc import model, value_and_grad
 from lmfunc.config import MODEL_PRESETS, ConfigError, ModelConfig, model_preset
 from lmfunc.loss import lm_loss_sum
 from lmfunc.model import layers
-from lmfunc.tree import flatten_with_paths, tree_map
+from lmfunc.tree import flatten_with_paths, tree_map, tree_map_with_path
 
 TINY = model_preset("tiny")
 # Every optional feature switched the other way from TINY.
@@ -94,7 +94,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
             return leaf.view(h, TINY.query_groups, d).repeat_interleave(repeat, dim=1).reshape(h, -1)
         return leaf
 
-    mha_params = model.gpt.tree_map_with_path(expand, gqa_params)
+    mha_params = tree_map_with_path(expand, gqa_params)
     tokens = torch.randint(0, TINY.vocab_size, (2, 12))
     torch.testing.assert_close(run_logits(TINY, gqa_params, tokens), run_logits(mha_cfg, mha_params, tokens), rtol=1e-5, atol=1e-5)
 
