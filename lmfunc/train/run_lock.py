@@ -32,8 +32,11 @@ def process_start_ticks(pid: int) -> Optional[int]:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
-    return int(fields[22 - 3])
+    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+    try:
+        return int(fields[22 - 3])
+    except (IndexError, ValueError):
+        return None
 
 
 def _holder_alive(holder: dict) -> Optional[bool]:

@@ -1,9 +1,9 @@
 """Stopping a run cleanly: SIGTERM/SIGINT and time limits, agreed on by every rank.
 
 A handler only records that a signal arrived. After each step the loop asks ``should_stop``: the
-local wish (a failed checkpoint save, a signal, or the time limit) is all-reduced with MAX over the ranks (Megatron's
-``DistributedSignalHandler``), so when any rank is told to stop, all of them stop after the same
-step, save one consistent checkpoint and exit.
+local wish (a failed checkpoint save, a signal, or the time limit) is all-reduced with MAX over the
+ranks (Megatron's ``DistributedSignalHandler``), so when any rank is told to stop, all of them stop
+after the same step, save one consistent checkpoint (none after a failed save) and exit.
 """
 
 from __future__ import annotations
