@@ -92,6 +92,19 @@ def test_paired_worker_starts_every_variant_from_the_same_weights():
     assert all(t > 0 for ts in result["times"].values() for t in ts)
 
 
+def test_bf16_variants_compute_in_bf16_from_the_same_weights():
+    """``--dtype bf16``: lmfunc's step (``compute_dtype``) and the module's (autocast) start from the
+    same fp32 weights, so their first losses agree to bf16's rounding and differ from fp32's."""
+    fp32 = run_paired_worker(BenchConfig(worker="paired", variants=("func-eager", "module-eager"), steps=1, **SMALL))
+    bf16 = run_paired_worker(BenchConfig(worker="paired", variants=("func-eager", "module-eager"), steps=1,
+                                         dtype="bf16", **SMALL))
+    assert bf16["first_loss"]["func-eager"] == pytest.approx(bf16["first_loss"]["module-eager"], abs=2e-2)
+    assert bf16["first_loss"]["func-eager"] != fp32["first_loss"]["func-eager"]
+    assert bf16["first_loss"]["module-eager"] != fp32["first_loss"]["module-eager"]
+    with pytest.raises(SystemExit, match="--dtype 'fp16'"):
+        main(BenchConfig(dtype="fp16", variants=("func-eager",), **SMALL))
+
+
 def test_paired_cli_prints_each_variant_against_the_last(capsys):
     main(BenchConfig(paired=True, variants=("func-eager", "module-eager"), steps=2, repeats=1, **SMALL))
     out = capsys.readouterr().out

@@ -37,6 +37,10 @@ class BenchConfig:
     ce_chunk: Optional[int] = None
     """model.cross_entropy_chunk_tokens of the func variants (0: all logits at once); default:
     ModelConfig's default."""
+    dtype: str = "fp32"
+    """Compute dtype: fp32, or bf16 (func variants: ``make_train_step(compute_dtype=bfloat16)``;
+    module variants: the forward under ``torch.autocast``, as nanoGPT trains; both keep fp32
+    weights and AdamW state). The MFU peak is a matmul measured in the same dtype."""
     device: str = "cpu"
     """Where the model, batch and optimizer state live: cpu, or cuda (fp32 matmuls without TF32,
     torch's default; the MFU peak is measured the same way)."""

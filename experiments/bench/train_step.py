@@ -41,7 +41,7 @@ from experiments.bench.comm import (
     step_collectives,
 )
 from experiments.bench.config import VARIANTS, BenchConfig
-from experiments.bench.workload import make_step, model_config
+from experiments.bench.workload import compute_dtype, make_step, model_config
 
 
 def run_worker(bc: BenchConfig) -> dict:
@@ -207,7 +207,7 @@ def _spawn(bc: BenchConfig, variant: str) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
         args = [sys.executable, "-m", "experiments.bench", "--worker", variant]
-        for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads", "recompute", "device"):
+        for field in ("layers", "heads", "hidden", "seq", "vocab", "batch", "steps", "warmup", "threads", "recompute", "dtype", "device"):
             args += [f"--{field}", str(getattr(bc, field))]
         if bc.ce_chunk is not None:
             args += ["--ce-chunk", str(bc.ce_chunk)]
@@ -276,17 +276,18 @@ def main(bc: BenchConfig) -> None:
 
     device = _check_device(bc.device)
     cfg = model_config(bc)
-    peak = measure_matmul_peak_flops(device=device, n=8192 if device.type == "cuda" else 1024, threads=bc.threads)
+    peak = measure_matmul_peak_flops(device=device, dtype=compute_dtype(bc), n=8192 if device.type == "cuda" else 1024,
+                                     threads=bc.threads)
     tokens = bc.batch * bc.seq
     where = f"{device.type} ({_device_name(device)}), torch {torch.__version__}"
     print(f"workload: layers={bc.layers} heads={bc.heads} hidden={bc.hidden} seq={bc.seq} vocab={bc.vocab} "
-          f"batch={bc.batch} fp32, {tokens} tokens/step, {where}, threads={bc.threads}, recompute={bc.recompute}, "
+          f"batch={bc.batch} {bc.dtype}, {tokens} tokens/step, {where}, threads={bc.threads}, recompute={bc.recompute}, "
           f"cross_entropy_chunk_tokens={cfg.cross_entropy_chunk_tokens}, donate_state={bc.donate}, "
           f"scan_layers={bc.scan_layers}"
           + (", memory mode (MALLOC_MMAP_THRESHOLD_=65536)" if bc.memory_mode else
              ", freed host memory kept" if bc.keep_host_memory else ", glibc's malloc defaults")
           + (", warm Inductor cache" if bc.warm_cache else ""))
-    print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
+    print(f"measured {bc.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s; model {flops_per_token(cfg, bc.seq) / 1e6:.2f} MFLOP/token")
     if bc.paired:
         bench_paired.report(bc, [_spawn(bc, "paired") for _ in range(bc.repeats)], tokens, flops_per_token(cfg, bc.seq) / peak)
         return

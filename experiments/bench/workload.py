@@ -25,8 +25,21 @@ def model_config(bc: BenchConfig):
     return cfg
 
 
-def module_step(cfg, params, compiled: bool):
-    """An idiomatic nn.Module training step with the same math and the same initial weights."""
+COMPUTE_DTYPES = ("fp32", "bf16")
+
+
+def compute_dtype(bc: BenchConfig):
+    """The torch dtype of ``bc.dtype``; exits naming the flag when it is not one the bench runs."""
+    import torch
+
+    if bc.dtype not in COMPUTE_DTYPES:
+        raise SystemExit(f"--dtype {bc.dtype!r}: the benchmark computes in {' or '.join(COMPUTE_DTYPES)}")
+    return torch.bfloat16 if bc.dtype == "bf16" else torch.float32
+
+
+def module_step(cfg, params, compiled: bool, dtype=None):
+    """An idiomatic nn.Module training step with the same math and the same initial weights;
+    with a low-precision ``dtype`` its forward runs under ``torch.autocast`` (fp32 weights)."""
     import torch
     from torch import nn
     from torch.nn import functional as F
@@ -86,8 +99,12 @@ def module_step(cfg, params, compiled: bool):
     forward = torch.compile(model) if compiled else model
     optimizer_step = torch.compile(optimizer.step) if compiled else optimizer.step
 
+    device_type = params["embed"]["tokens"].device.type
+    autocast = dtype is not None and dtype != torch.float32
+
     def step(tokens, labels):
-        loss = forward(tokens, labels)
+        with torch.autocast(device_type, dtype=dtype, enabled=autocast):
+            loss = forward(tokens, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer_step()
@@ -117,7 +134,7 @@ def make_step(bc: BenchConfig, variant: str) -> Callable[[], Any]:
     if variant.startswith("func"):
         tx = adamw(1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
         train_step = make_train_step(cfg, tx, clip_grad=1.0, compile=variant != "func-eager",
-                                     donate_state=bc.donate)
+                                     donate_state=bc.donate, compute_dtype=compute_dtype(bc))
         holder = {"state": TrainState.create(params, tx)}
         batch = {"tokens": tokens[None], "labels": labels[None]}
 
@@ -128,5 +145,5 @@ def make_step(bc: BenchConfig, variant: str) -> Callable[[], Any]:
         return step
     if cfg.scan_layers:
         params = model.gpt.unstack_layers(params, cfg.num_layers)
-    step = module_step(cfg, params, compiled=variant == "module-compiled")
+    step = module_step(cfg, params, compiled=variant == "module-compiled", dtype=compute_dtype(bc))
     return lambda: step(tokens, labels)

@@ -3,6 +3,7 @@
 # the code runs from a patched scratch copy (experiments/gpu/torch211.py), and the pure-Python
 # packages the image lacks (tyro, typeguard, docstring-parser) come as wheels in .whl/ when present.
 #   bash experiments/gpu/recipe.sh            # from the repository root; logs go to $OUT (default ./gpu-out)
+#   BUNDLE_LOGS=1 bash experiments/gpu/recipe.sh   # the same, the logs then packed into $OUT/logs.tar.gz
 # Phase 1 runs the plan, the device tests, a bf16 and a TF32 training run and a one-process
 # torchrun (NCCL) run side by side (their compiles share the CPU; their tok/s share the GPU).
 # Phases 2 and 3 run the train-step benchmark alone: the default workload, then GPT-2 small.
@@ -10,6 +11,9 @@
 # (bf16, eager; the device tests beside them), then experiments.probes.moe_vs_dense times MoE
 # against dense, dropless against capacity, eager, and compiled without dropless (the 2.11 copy
 # cannot compile the grouped matmul's custom op: torch211.py), at a GPU-sized shape.
+# Phase 0 records the host CPU (lscpu) and, where it has AVX-512 BF16/FP16 or AMX, runs the oneDNN
+# NaN probe (experiments.probes.onednn_nan) on it. Phase 5 is the bf16 MFU of a ~1.2B model (16 layers,
+# width 2048, seq 2048, vocab 50304, batch 8), func-compiled against module-compiled (autocast).
 # All four can take 18 minutes, past one device call's 10: PHASES picks some, e.g.
 #   PHASES="1" bash experiments/gpu/recipe.sh, then PHASES="2 3" in a second call.
 set -u
@@ -31,6 +35,18 @@ python3 -c "import lmfunc.train, lmfunc.plan, experiments.bench, experiments.pro
     python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
     echo "cpus $(nproc)"
 } > "$OUT/machine.log" 2>&1
+
+if runs_phase 0; then
+echo "phase 0 $(date +%T)"
+lscpu > "$OUT/lscpu.log" 2>&1
+if grep -qwE "avx512_bf16|avx512_fp16|amx_bf16" /proc/cpuinfo; then
+    timeout 240 python3 -m experiments.probes.onednn_nan > "$OUT/onednn_nan.log" 2>&1
+    tail -n 12 "$OUT/onednn_nan.log"
+else
+    echo "no AVX-512 BF16/FP16 or AMX on this host: the oneDNN NaN probe does not apply" | tee "$OUT/onednn_nan.log"
+fi
+grep -E "Model name|^CPU\(s\)" "$OUT/lscpu.log"
+fi
 
 if runs_phase 1; then
 echo "phase 1 $(date +%T)"
@@ -77,5 +93,17 @@ timeout 200 $probe --rounds 12 --compile --variants 1.0 1.25 --json "$OUT/moe_co
 cat "$OUT/moe_vs_dense.log" | grep -v Warning
 fi
 
-(cd /tmp && find runs -name log.jsonl | tar czf "$OUT/runs.tar.gz" -T -)
+if runs_phase 5; then
+echo "phase 5 $(date +%T)"
+timeout 360 python3 -m experiments.bench --device cuda --dtype bf16 --variants func-compiled module-compiled \
+    --repeats 1 --steps 10 --layers 16 --heads 16 --hidden 2048 --seq 2048 --vocab 50304 --batch 8 \
+    --json-out "$OUT/bench_1b_bf16.json" > "$OUT/bench_1b_bf16.log" 2>&1
+tail -n 8 "$OUT/bench_1b_bf16.log"
+fi
+
+(cd /tmp && find runs -name log.jsonl 2>/dev/null | tar czf "$OUT/runs.tar.gz" -T -)
+# BUNDLE_LOGS=1 moves the logs into one logs.tar.gz (for a transfer that takes only a few files).
+if [[ "${BUNDLE_LOGS:-0}" == 1 ]]; then
+    (cd "$OUT" && tar czf logs.tar.gz --remove-files ./*.log)
+fi
 echo "done $(date +%T)"

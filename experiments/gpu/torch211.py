@@ -11,7 +11,7 @@ machines' image (lmfunc pins 2.13; a CUDA build of 2.13 is too large to carry th
    it hides the DTensor API, so compiled runs of the copy are for plain tensors (one process).
    torch.func on 2.11 also refuses custom ops' autograd (``lmfunc::grouped_mm``), so a compiled
    dropless MoE step needs 2.13; eager MoE runs and compiled capacity-factor MoE work.
-2. The two post-grad passes (recompute, reversed scans) are chained in one pass object: 2.11's
+2. The post-grad pre-passes (recompute, slice copies, reversed scans) are chained in one pass object: 2.11's
    Inductor takes one callable where 2.13 takes a list.
 3. ``collective_buckets`` imports ``_resolve_group_name`` only where it exists (2.13 added it).
 4. ``saved_values`` sizes a value with ``hint_int`` where ``optimization_hint`` (2.13) is missing;
@@ -53,12 +53,11 @@ GRAD_COMPILED = '''        if torch.compiler.is_compiling():
         else:
 '''
 
-PASSES_OLD = ('    options: dict[str, Any] = {"post_grad_custom_pre_pass": '
-              '[RematPass(choose_saved), ReversedScanPass()]}\n')
+PASSES_OLD = '    if bucket_size_mb is not None:\n        options["post_grad_custom_post_pass"]'
 PASSES_NEW = '''    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class Chained(CustomGraphPass):
-        def __init__(self, *passes):
+        def __init__(self, passes):
             self.passes = passes
 
         def __call__(self, graph):
@@ -68,8 +67,8 @@ PASSES_NEW = '''    from torch._inductor.custom_graph_pass import CustomGraphPas
         def uuid(self):
             return b"".join(graph_pass.uuid() for graph_pass in self.passes)
 
-    options: dict[str, Any] = {"post_grad_custom_pre_pass": Chained(RematPass(choose_saved), ReversedScanPass())}
-'''
+    options["post_grad_custom_pre_pass"] = Chained(options["post_grad_custom_pre_pass"])
+''' + PASSES_OLD
 
 BUCKETS_OLD = "from torch._inductor.fx_passes.bucketing import (\n    _resolve_group_name,\n"
 BUCKETS_NEW = ("try:\n    from torch._inductor.fx_passes.bucketing import _resolve_group_name\n"
