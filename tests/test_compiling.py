@@ -3,6 +3,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -258,3 +259,56 @@ def test_a_step_with_run_time_sizes_compiles_without_inductors_peak_memory_reord
     compiling._compile_static(graph, [torch.ones(2)], {"keep": 1})
     assert seen == [{"keep": 1}, {"keep": 1, **compiling.DATA_DEPENDENT_SIZE_OPTIONS}]
     assert compiling.DATA_DEPENDENT_SIZE_OPTIONS == {"reorder_for_peak_memory": False}
+
+
+def _recording_isa_list(monkeypatch) -> list:
+    """Replace Inductor's (process-cached) vector-ISA probe by a cached recorder of the threads
+    that ran it."""
+    import functools
+
+    from torch._inductor import cpu_vec_isa
+
+    threads = []
+
+    @functools.cache
+    def valid_vec_isa_list():
+        threads.append(threading.current_thread().name)
+        return []
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)
+    return threads
+
+
+def test_the_first_call_on_cpu_tensors_probes_the_vector_isa_beside_the_trace(monkeypatch):
+    """An Inductor step's first call on CPU data starts Inductor's vector-ISA probe on its own
+    thread (``lmfunc.compiler.isa_probe``); later calls, steps on other devices and steps that
+    Inductor does not compile start none, and a process that probed already probes no more."""
+    from lmfunc.compiler import isa_probe
+
+    threads = _recording_isa_list(monkeypatch)
+    assert not isa_probe.compiles_cpu_code({"step": torch.tensor(3), "w": torch.empty(4, 4, device="meta")})
+    assert isa_probe.compiles_cpu_code({"step": torch.tensor(3), "w": torch.ones(4, 4)})
+    assert isa_probe.start_vec_isa_probe((torch.empty(8, device="meta"),)) is None
+    assert compiling.call_compiled(lambda x: 2 * x)(torch.ones(3)).tolist() == [2.0] * 3 and threads == []
+    step = compiling.call_compiled(lambda x: 2 * x, probe_cpu_isa=True)
+    for _ in range(3):
+        assert step(torch.ones(3)).tolist() == [2.0] * 3
+    for thread in threading.enumerate():
+        if thread.name == "lmfunc-vec-isa-probe":
+            thread.join()
+    assert threads == ["lmfunc-vec-isa-probe"]
+    assert isa_probe.start_vec_isa_probe((torch.ones(3),)) is None
+
+
+def test_lmfunc_compiles_kernels_without_line_tables_and_leaves_torchs_default_alone():
+    """While lmfunc compiles, Inductor's C++ optimisation flags carry no line tables (``-g1`` or
+    clang's ``-gline-tables-only``), which cost a fifth of each kernel's build and never change
+    the code; outside, torch's default holds."""
+    from torch._inductor import cpp_builder
+
+    compiler = cpp_builder.get_cpp_compiler()
+    line_tables = {"g1", "gline-tables-only"}
+    assert line_tables & set(cpp_builder._get_optimization_cflags(compiler)[0])
+    with compiling.compile_settings():
+        assert not line_tables & set(cpp_builder._get_optimization_cflags(compiler)[0])
+    assert line_tables & set(cpp_builder._get_optimization_cflags(compiler)[0])

@@ -46,6 +46,7 @@ from lmfunc.compiler.compiling import (
     compile_settings, _older_objects_frozen, compile_step, inductor_options, release_compile_garbage,
     tracing_settings,
 )
+from lmfunc.compiler.isa_probe import start_vec_isa_probe
 
 _LMFUNC_ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,6 +245,7 @@ def precompiled_step(fn: Callable, choose_saved: bool = True, directory: Optiona
         nonlocal saved, ordinary, first
         if first:
             first = False
+            start_vec_isa_probe(args)
             saved = _saved_or_compiled(fn, args, choose_saved, Path(directory or default_directory()))
         elif saved is not None and not saved.guard_check(*args):
             _warn("the step's guards refuse this call's arguments; compiling it the ordinary way")

@@ -1,0 +1,68 @@
+"""Inductor's CPU vector-ISA probe, started in the background when a compile of CPU code begins.
+
+Before Inductor writes its first C++ kernel it asks which vector instruction sets the CPU runs
+(``torch._inductor.cpu_vec_isa.valid_vec_isa_list``, cached per process). To answer, it builds a
+small program with GCC for each candidate ISA (AMX, AVX-512 VNNI, AVX-512, AVX2 on a recent Intel
+CPU) and loads each in a child process, one after the other: about 16 s with a fresh Inductor
+cache and 3 s with a warm one on a 2-core machine, all of it spent waiting on GCC and the children.
+Inductor asks only after Dynamo's trace, AOTAutograd and its own lowering, which are Python on one
+core. Started when the compile starts, the probe checks the candidate ISAs side by side on other
+threads meanwhile (each check is cached on its ISA object), and Inductor's question then finds its
+answer cached.
+
+The answer is the one Inductor would compute itself, so the compiled code is the same. If the
+probe has not finished when Inductor asks, Inductor computes it again, waiting on the probe's
+locked builds: no slower than without the probe.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+
+def _candidate_isas() -> list:
+    """The vector ISAs Inductor will check on this CPU: on x86, those whose flags the CPU reports
+    (Inductor's own filter); elsewhere none (Inductor checks at most one there)."""
+    from torch._inductor import cpu_vec_isa
+
+    if platform.machine() not in ("x86_64", "AMD64") or not hasattr(cpu_vec_isa, "x86_isa_checker"):
+        return []
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+
+
+def _probe() -> None:
+    from torch._inductor import cpu_vec_isa
+
+    try:
+        candidates = _candidate_isas()
+        if len(candidates) > 1:
+            with ThreadPoolExecutor(len(candidates), thread_name_prefix="lmfunc-vec-isa-check") as pool:
+                list(pool.map(bool, candidates))
+        cpu_vec_isa.valid_vec_isa_list()
+    except Exception:  # Inductor asks again itself, and reports its own failure there
+        pass
+
+
+def compiles_cpu_code(args: Any) -> bool:
+    """Whether a step called with ``args`` (any pytree) computes on the CPU: some tensor argument
+    with more than one element lives there (0-dim counters may sit on the CPU beside CUDA data)."""
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() > 1 for x in tree_leaves(args))
+
+
+def start_vec_isa_probe(args: Any) -> Optional[threading.Thread]:
+    """Start Inductor's vector-ISA probe on a daemon thread when ``args`` are CPU tensors and this
+    process has not probed yet; return the thread, or None when nothing was started."""
+    from torch._inductor import cpu_vec_isa
+
+    if not compiles_cpu_code(args) or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+        return None
+    thread = threading.Thread(target=_probe, name="lmfunc-vec-isa-probe", daemon=True)
+    thread.start()
+    return thread
