@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 
+from experiments.bench import compile_phases
 from experiments.bench.config import BenchConfig
 from experiments.bench.paired import paired_summary, round_orders, run_paired_worker, time_in_turn
 from experiments.bench.train_step import main
@@ -152,3 +153,21 @@ def test_workers_keep_freed_host_memory_as_the_main_job_does(monkeypatch, capsys
     (args, env), = spawned
     assert ("--memory-mode" in args) == memory_mode and ("MALLOC_MMAP_THRESHOLD_" in env) == memory_mode
     assert ("--no-keep-host-memory" in args) == (not keep)
+
+
+def test_compile_phases_add_up_to_the_compile_time_and_nested_ones_are_not_counted_twice():
+    timers = {"bytecode_tracing": 3.0, "GraphLowering.run": 2.0, "Scheduler.codegen": 4.0, "async_compile.wait": 6.0,
+              "_recursive_post_grad_passes": 1.5, "pass.post_grad_passes.post_grad_custom_pre_pass": 0.5,
+              "compile_fx_inner": 99.0}
+    phases = compile_phases.phase_seconds(timers, compile_s=20.0)
+    assert phases["Dynamo: bytecode tracing"] == 3.0 and phases["AOTAutograd: joint forward-backward trace"] == 0.0
+    lmfunc_passes = next(name for name in phases if name.startswith("  of which lmfunc"))
+    assert phases[lmfunc_passes] == 0.5
+    assert phases["other (Python between the phases, imports, first run)"] == pytest.approx(20.0 - 16.5)
+    runs = {"func-compiled": [{"timers": timers, "compile_s": 20.0, "kernels": 28},
+                              {"timers": {**timers, "bytecode_tracing": 5.0}, "compile_s": 22.0, "kernels": 28}],
+            "func-eager": [{"compile_s": 0.0}]}
+    table = compile_phases.phase_table(runs).splitlines()
+    assert table[0] == "| phase | func-compiled |"
+    assert "| Dynamo: bytecode tracing | 4.0 |" in table and table[-1] == "| C++ kernels built | 28 |"
+    assert "| **compile (first step - steady step)** | **21.0** |" in table

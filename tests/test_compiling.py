@@ -312,3 +312,39 @@ def test_lmfunc_compiles_kernels_without_line_tables_and_leaves_torchs_default_a
     with compiling.compile_settings():
         assert not line_tables & set(cpp_builder._get_optimization_cflags(compiler)[0])
     assert line_tables & set(cpp_builder._get_optimization_cflags(compiler)[0])
+
+
+PROBE_IMPORTS = """
+import json, sys, torch
+from lmfunc.compiler import isa_probe
+seen = {}
+probe = isa_probe._probe
+
+def recording_probe():
+    before = set(sys.modules)
+    probe()
+    seen["imported"] = sorted(set(sys.modules) - before)
+    from torch._inductor import cpu_vec_isa
+    seen["isas"] = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+
+isa_probe._probe = recording_probe
+isa_probe.start_vec_isa_probe((torch.ones(4),)).join()
+print(json.dumps(seen))
+"""
+
+
+def test_the_isa_probe_thread_imports_nothing_and_finds_what_inductor_finds():
+    """In a fresh interpreter the probe's thread imports no module (imports on two threads at once
+    can fail: ``lmfunc.compiler.isa_probe``), and it leaves Inductor's cached list of this CPU's
+    vector ISAs as Inductor computes it alone."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", PROBE_IMPORTS], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["imported"] == []
+    alone = subprocess.run([sys.executable, "-c", "from torch._inductor import cpu_vec_isa; "
+                            "print([str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()])"],
+                           env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert str(seen["isas"]) == alone.stdout.strip().splitlines()[-1]

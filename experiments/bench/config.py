@@ -63,6 +63,9 @@ class BenchConfig:
     rounds per process (``--repeats`` processes, rounds pooled), and report each variant's
     per-round time ratio to the last variant (``lmfunc.bench_paired``). No memory or compile
     columns: the variants share the process."""
+    phases: bool = False
+    """Also print where each compiled variant's cold compile goes, phase by phase
+    (``experiments.bench.compile_phases``)."""
     json_out: Optional[str] = None
     """Also write the results to this JSON file."""
     comm: Optional[str] = None

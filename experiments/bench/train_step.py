@@ -35,6 +35,7 @@ from typing import Optional
 
 import tyro
 
+from experiments.bench import compile_phases
 from experiments.bench import paired as bench_paired
 from experiments.bench.comm import (
     expected_compiled_counts, expected_context_parallel_elements, expected_counts, format_report, measure_counts,
@@ -67,10 +68,15 @@ def run_worker(bc: BenchConfig) -> dict:
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
     steps_peak = memory.peak()
-    return {
+    result = {
         "variant": bc.worker, "first_loss": first_loss, "step_s": median, "compile_s": max(first - median, 0.0),
         "peak_mib": max(peak_so_far, steps_peak), "step_memory_mib": steps_peak - resting,
     }
+    if bc.worker != "func-eager" and bc.worker != "module-eager":
+        cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        result.update(timers=compile_phases.compile_timer_seconds(),
+                      kernels=compile_phases.kernel_libraries(cache_dir) if cache_dir else 0)
+    return result
 
 
 class _HostMemory:
@@ -318,6 +324,9 @@ def main(bc: BenchConfig) -> None:
         summary[variant] = row
         print(f"{variant:16s} {row['tokens_per_s']:9.0f} {row['ms_per_step']:9.1f} {row['mfu']:6.1%} "
               f"{row['peak_mib']:8.0f}M {row['step_memory_mib']:8.0f}M {row['compile_s']:7.1f}s {row['first_loss']:8.4f}")
+    if bc.phases:
+        print("cold compile by phase, seconds (median of the repeats; experiments.bench.compile_phases):")
+        print(compile_phases.phase_table(runs))
     if bc.json_out:
         with open(bc.json_out, "w") as f:
             json.dump({"config": dataclasses.asdict(bc), "device": where, "peak_flops": peak, "results": summary,

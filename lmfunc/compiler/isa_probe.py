@@ -13,10 +13,16 @@ answer cached.
 The answer is the one Inductor would compute itself, so the compiled code is the same. If the
 probe has not finished when Inductor asks, Inductor computes it again, waiting on the probe's
 locked builds: no slower than without the probe.
+
+Python's imports are not safe on two threads at once (one thread can see a module that the other
+is still initialising, and Dynamo's trace imports lazily), so every module the probe imports is
+imported before its thread starts, on the calling thread (``PROBE_MODULES``); the probe itself
+then imports nothing.
 """
 
 from __future__ import annotations
 
+import importlib
 import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +30,14 @@ from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+
+PROBE_MODULES = (
+    "torch._inductor.cpu_vec_isa", "torch._inductor.codecache", "torch._inductor.cpp_builder",
+    "torch.utils._filelock", "torch.utils.cpp_extension",
+)
+"""Every module Inductor's probe imports on its way (``torch.utils.cpp_extension`` pulls in
+setuptools, which patches distutils as it loads)."""
 
 
 def _candidate_isas() -> list:
@@ -59,9 +73,13 @@ def compiles_cpu_code(args: Any) -> bool:
 def start_vec_isa_probe(args: Any) -> Optional[threading.Thread]:
     """Start Inductor's vector-ISA probe on a daemon thread when ``args`` are CPU tensors and this
     process has not probed yet; return the thread, or None when nothing was started."""
+    if not compiles_cpu_code(args):
+        return None
+    for name in PROBE_MODULES:
+        importlib.import_module(name)
     from torch._inductor import cpu_vec_isa
 
-    if not compiles_cpu_code(args) or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
         return None
     thread = threading.Thread(target=_probe, name="lmfunc-vec-isa-probe", daemon=True)
     thread.start()
