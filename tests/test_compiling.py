@@ -286,6 +286,7 @@ def test_the_first_call_on_cpu_tensors_probes_the_vector_isa_beside_the_trace(mo
     from lmfunc.compiler import isa_probe
 
     threads = _recording_isa_list(monkeypatch)
+    monkeypatch.setattr(isa_probe, "_started", None)
     assert not isa_probe.compiles_cpu_code({"step": torch.tensor(3), "w": torch.empty(4, 4, device="meta")})
     assert isa_probe.compiles_cpu_code({"step": torch.tensor(3), "w": torch.ones(4, 4)})
     assert isa_probe.start_vec_isa_probe((torch.empty(8, device="meta"),)) is None
@@ -298,6 +299,8 @@ def test_the_first_call_on_cpu_tensors_probes_the_vector_isa_beside_the_trace(mo
             thread.join()
     assert threads == ["lmfunc-vec-isa-probe"]
     assert isa_probe.start_vec_isa_probe((torch.ones(3),)) is None
+    monkeypatch.setattr(isa_probe, "_started", None)
+    assert isa_probe.start_cpu_vec_isa_probe() is None  # the list is cached: nothing left to probe
 
 
 def test_lmfunc_compiles_kernels_without_line_tables_and_leaves_torchs_default_alone():

@@ -40,6 +40,11 @@ PROBE_MODULES = (
 setuptools, which patches distutils as it loads)."""
 
 
+_start_lock = threading.Lock()
+_started: Optional[threading.Thread] = None
+"""The probe's thread once one was started in this process (at most one is)."""
+
+
 def _candidate_isas() -> list:
     """The vector ISAs Inductor will check on this CPU: on x86, those whose flags the CPU reports
     (Inductor's own filter); elsewhere none (Inductor checks at most one there)."""
@@ -71,16 +76,22 @@ def compiles_cpu_code(args: Any) -> bool:
 
 
 def start_vec_isa_probe(args: Any) -> Optional[threading.Thread]:
-    """Start Inductor's vector-ISA probe on a daemon thread when ``args`` are CPU tensors and this
-    process has not probed yet; return the thread, or None when nothing was started."""
-    if not compiles_cpu_code(args):
-        return None
+    """``start_cpu_vec_isa_probe()`` when ``args`` are CPU tensors (``compiles_cpu_code``), else None."""
+    return start_cpu_vec_isa_probe() if compiles_cpu_code(args) else None
+
+
+def start_cpu_vec_isa_probe() -> Optional[threading.Thread]:
+    """Start Inductor's vector-ISA probe on a daemon thread unless this process has probed (or
+    is probing) already; return the thread, or None when nothing was started. Callers that know
+    early that a CPU compile is coming (the trainer, before it reads its data) start it then."""
+    global _started
     for name in PROBE_MODULES:
         importlib.import_module(name)
     from torch._inductor import cpu_vec_isa
 
-    if cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
-        return None
-    thread = threading.Thread(target=_probe, name="lmfunc-vec-isa-probe", daemon=True)
-    thread.start()
-    return thread
+    with _start_lock:
+        if _started is not None or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
+            return None
+        _started = threading.Thread(target=_probe, name="lmfunc-vec-isa-probe", daemon=True)
+    _started.start()
+    return _started

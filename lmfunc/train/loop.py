@@ -17,6 +17,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from lmfunc.checkpoint.locate import CONFIG_FILE
+from lmfunc.compiler.isa_probe import start_cpu_vec_isa_probe
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
 from lmfunc.config.yaml_io import config_to_dict, config_yaml, save_config
@@ -130,6 +131,8 @@ class _Run:
         written before every check that can refuse the run has passed."""
         cfg = self.cfg
         run = cfg.run
+        if run.compile and self.layout.device.type == "cpu":
+            start_cpu_vec_isa_probe()  # Inductor's CPU check, on other cores while the data is read
         check_writable(run.out_dir, "run.out_dir")  # the data index cache is written there first
         self.train_iters = (run.train_iters if run.train_iters is not None
                             else self.plan.train_iters_for_samples(run.train_samples))
