@@ -119,8 +119,8 @@ def compile_settings():
     any other node (``tests/test_scan_layers.py`` checks that a changed body misses). GCC compiles
     the kernels with the flags that keep them correct (``lmfunc.compiler.cpp_flags``) and without
     line tables (``-g1``): debug information never changes the machine code GCC generates, and
-    leaving it out takes a fifth off each kernel's build (0.9 to 0.7 s on a 2-core Xeon), which is
-    most of a cold compile's wait; a profiler then names each kernel but not its source lines."""
+    leaving it out shortens each kernel's build (docs/performance.md, "Where a cold compile goes");
+    a profiler then names each kernel but not its source lines."""
     with torch._functorch.config.patch(
         remat_using_tags_for_fwd_loss_bwd_graph=False, autograd_cache_allow_custom_autograd_functions=True
     ):

@@ -3,8 +3,9 @@
 Before Inductor writes its first C++ kernel it asks which vector instruction sets the CPU runs
 (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``, cached per process). To answer, it builds a
 small program with GCC for each candidate ISA (AMX, AVX-512 VNNI, AVX-512, AVX2 on a recent Intel
-CPU) and loads each in a child process, one after the other: about 16 s with a fresh Inductor
-cache and 3 s with a warm one on a 2-core machine, all of it spent waiting on GCC and the children.
+CPU) and loads each in a child process, one after the other: seconds per candidate with a fresh
+Inductor cache (less with a warm one), all of it spent waiting on GCC and the children
+(docs/performance.md, "Where a cold compile goes").
 Inductor asks only after Dynamo's trace, AOTAutograd and its own lowering, which are Python on one
 core. Started when the compile starts, the probe checks the candidate ISAs side by side on other
 threads meanwhile (each check is cached on its ISA object), and Inductor's question then finds its
