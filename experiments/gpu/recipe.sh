@@ -21,6 +21,7 @@ OUT=${OUT:-$PWD/gpu-out}
 PHASES=${PHASES:-1 2 3}
 runs_phase() { [[ " $PHASES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
+started_mark=$(mktemp)  # the logs this run writes are newer than it (BUNDLE_LOGS packs only those)
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -102,8 +103,11 @@ tail -n 8 "$OUT/bench_1b_bf16.log"
 fi
 
 (cd /tmp && find runs -name log.jsonl 2>/dev/null | tar czf "$OUT/runs.tar.gz" -T -)
-# BUNDLE_LOGS=1 moves the logs into one logs.tar.gz (for a transfer that takes only a few files).
+# BUNDLE_LOGS=1 moves the logs this run wrote into one logs.tar.gz (for a transfer that takes
+# only a few files); other files in $OUT are left alone.
 if [[ "${BUNDLE_LOGS:-0}" == 1 ]]; then
-    (cd "$OUT" && tar czf logs.tar.gz --remove-files ./*.log)
+    (cd "$OUT" && find . -maxdepth 1 -name '*.log' -newer "$started_mark" -print0 \
+        | tar czf logs.tar.gz --remove-files --null -T -)
 fi
+rm -f "$started_mark"
 echo "done $(date +%T)"
