@@ -46,6 +46,29 @@ order is rotated, so a run stopped by the time budget leaves out different tests
 instead of always the last ones in file order."""
 
 
+@pytest.fixture(autouse=True)
+def _one_multirank_launch_at_a_time(request):
+    """A test marked ``multirank`` holds the machine's multi-rank slot (``tests.helpers.multirank_slot``)
+    while it runs; other tests run beside it on the other pytest-xdist worker."""
+    if request.node.get_closest_marker("multirank") is None:
+        yield
+        return
+    from tests.helpers import multirank_slot
+
+    with multirank_slot():
+        yield
+
+
+def pytest_itemcollected(item):
+    """Tests that use the ``torchrun`` fixture are ``multirank``. Under pytest-xdist's ``--dist
+    loadgroup`` every multi-rank test is in one group, so one worker runs them one after another,
+    and every other test is grouped with its file, so a file's module-scoped fixtures are built once."""
+    if "torchrun" in getattr(item, "fixturenames", ()) and item.get_closest_marker("multirank") is None:
+        item.add_marker(pytest.mark.multirank)
+    multirank = item.get_closest_marker("multirank") is not None
+    item.add_marker(pytest.mark.xdist_group("multirank" if multirank else item.nodeid.split("::")[0]))
+
+
 @pytest.hookimpl(trylast=True)  # after ``-m slow`` has deselected the rest
 def pytest_collection_modifyitems(config, items):
     rotation = os.environ.get(SLOW_ROTATION)

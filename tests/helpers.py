@@ -1,10 +1,12 @@
 """Shared test data, probes and the multi-rank launcher."""
 
 import contextlib
+import fcntl
 import os
 import subprocess
 import sys
-from typing import Callable
+import tempfile
+from typing import Callable, Iterator
 
 import torch
 
@@ -32,7 +34,8 @@ def model_flags(argv: list[str], num_layers: int = 2) -> dict:
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:
-    """``torchrun --standalone --nproc-per-node nproc ARGS`` (gloo on CPU)."""
+    """``torchrun --standalone --nproc-per-node nproc ARGS`` (gloo on CPU); a test that starts it
+    itself is marked ``multirank``."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
@@ -41,10 +44,41 @@ def torchrun_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
 
 
+MULTIRANK_LOCK = os.path.join(tempfile.gettempdir(), "lmfunc-tests-multirank.lock")
+"""The file whose exclusive lock a multi-rank launch holds while it runs (``multirank_slot``)."""
+_slot_depth = 0
+
+
+@contextlib.contextmanager
+def multirank_slot() -> Iterator[None]:
+    """Hold the machine's one multi-rank slot (re-entrant): an exclusive ``flock`` on
+    ``MULTIRANK_LOCK``, waited for. Two multi-rank launches at once on a 2-core machine starve each
+    other's collectives, so ``run_torchrun`` takes the slot, and so do tests marked ``multirank``
+    (``tests/conftest.py``) for their whole run, also when the suite runs on pytest-xdist workers."""
+    global _slot_depth
+    if _slot_depth:
+        _slot_depth += 1
+        try:
+            yield
+        finally:
+            _slot_depth -= 1
+        return
+    with open(MULTIRANK_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _slot_depth = 1
+        try:
+            yield
+        finally:
+            _slot_depth = 0
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def run_torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``torchrun_command(nproc, args)`` from the repository root; fail with its output unless it exits 0."""
-    proc = subprocess.run(torchrun_command(nproc, args), cwd=ROOT, env=torchrun_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    """Run ``torchrun_command(nproc, args)`` from the repository root, holding the multi-rank slot;
+    fail with its output unless it exits 0."""
+    with multirank_slot():
+        proc = subprocess.run(torchrun_command(nproc, args), cwd=ROOT, env=torchrun_env(), capture_output=True,
+                              text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 

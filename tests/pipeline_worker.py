@@ -18,7 +18,7 @@ layer (and the MTP layer) an MoE layer and the attention MLA: the router losses 
 backward, and the router metrics and expert biases must match too; ``--ep=N`` splits the experts
 over N of the DP_SHARD ranks. The reference is then the same
 layout without the pipeline (``make_train_step`` over DTensors on the ``dp_shard x tp`` mesh): on
-this 8-layer model with dropout that layout itself differs from one process by up to 4.3e-5 (tp 2) and
+the 8-layer model with dropout that layout itself differs from one process by up to 4.3e-5 (tp 2) and
 1.4e-5 (dp_shard 2) in one Adam moment after five steps (measured), while the losses still agree to
 1e-6; the evaluation is still checked against one process.
 """
@@ -45,6 +45,11 @@ from lmfunc.tree import flatten_with_paths, tree_map, tree_unflatten_as
 from tests.helpers import lm_batch, model_flags
 
 STEPS, MICROBATCHES = 5, 4
+EAGER_LAYERS, COMPILED_LAYERS = 8, 4
+"""8 layers give every schedule (pp up to 4, two virtual stages) at least one layer per chunk. The
+compiled cases are all pp 2 with at most two chunks a rank: 4 layers still put two layers (or two
+chunks) on each rank, and each stage's graph, whose tracing and lowering grow with its layers, is
+half as long."""
 FP32_TOLERANCE = {"metrics": 1e-5, "leaves": 1e-5}
 FP16_TOLERANCE = {"metrics": 5e-4, "leaves": 5e-3}
 """fp16 differs at the level of 16-bit rounding even on one stage, where nothing is split, and the
@@ -83,11 +88,12 @@ def main() -> None:
     rank = mesh.get_local_rank("pp") if mesh is not None else dist.get_rank()
     dp_rank = ((mesh.get_local_rank("dp_shard") if dp > ep else 0) * ep
                + (mesh.get_local_rank("ep") if ep > 1 else 0))
-    split = pipeline_split(8, pp=pp, schedule=schedule, virtual_stages=virtual)
+    layers = COMPILED_LAYERS if compiled else EAGER_LAYERS
+    split = pipeline_split(layers, pp=pp, schedule=schedule, virtual_stages=virtual)
     check_microbatches(schedule, split, MICROBATCHES)
     extras = {"recompute_granularity": "full", "cross_entropy_chunk_tokens": 8} if recompute else {}
-    cfg = dataclasses.replace(model_preset("tiny", num_layers=8, **extras), tie_embeddings=bool(tie), mtp_num_layers=mtp,
-                              hidden_dropout=0.1, sequence_parallel=bool(sp), **model_flags(flags, num_layers=8))
+    cfg = dataclasses.replace(model_preset("tiny", num_layers=layers, **extras), tie_embeddings=bool(tie), mtp_num_layers=mtp,
+                              hidden_dropout=0.1, sequence_parallel=bool(sp), **model_flags(flags, num_layers=layers))
     params = model.init(cfg, seed=0)
     tx = adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     scaling = LossScaleConfig(initial_scale=2.0**15) if fp16 else None

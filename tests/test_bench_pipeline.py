@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import run_torchrun
 
+pytestmark = pytest.mark.multirank
+
 
 def _run(schedule: str, virtual: int, microbatches: int) -> str:
     return run_torchrun(2, ["-m", "experiments.bench.pipeline", "--schedule", schedule, "--virtual-stages",

@@ -11,6 +11,8 @@ from lmfunc.checkpoint.manager import complete_steps
 from lmfunc.train.log import read_log
 from tests.helpers import ROOT, run_torchrun, torchrun_command, torchrun_env
 
+pytestmark = pytest.mark.multirank
+
 
 COMMON = ["-m", "lmfunc.train", "--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "32",
           "--run.train-iters", "20", "--optim.lr-warmup-iters", "2", "--run.eval-iters", "0", "--run.no-compile",

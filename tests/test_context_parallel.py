@@ -103,6 +103,7 @@ def test_context_parallel_runs_are_validated_with_the_field_and_value():
         cfg(ParallelConfig(cp=2), attention_dropout=0.1).validate(2)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("mesh, mtp, docs, compiled, recompute, flags", [
     ("1 2 1 0", 0, 1, 0, "none", ""),
     ("1 2 1 0", 1, 1, 0, "none", ""),

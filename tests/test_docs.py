@@ -85,6 +85,7 @@ def test_every_readme_train_command_is_a_valid_config(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank  # the README's torchrun commands
 def test_every_readme_command_runs(tmp_path):
     """Every README command of lmfunc.train (2 steps, eager: compiling is covered by the e2e tests),
     lmfunc.data.preprocess and lmfunc.generate runs as written, in a folder with the inputs the

@@ -50,6 +50,7 @@ def test_precision_study_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_invariance_study_quick(tmp_path):
     layouts = run_quick("invariance", tmp_path)["layouts"]
     assert len(layouts) == 6 and all(r["max_train_delta"] < 1e-4 and r["train_points"] == 12 for r in layouts.values())
@@ -57,6 +58,7 @@ def test_invariance_study_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_plan_accuracy_study_quick(tmp_path):
     cases = run_quick("plan_accuracy", tmp_path)["cases"]
     assert set(cases) == {"quick_none", "quick_full", "quick_scan_none", "quick_cp2", "quick_moe_ep2"}
@@ -76,6 +78,7 @@ def test_compile_depth_study_quick(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multirank
 def test_scaling_study_quick(tmp_path):
     """Bucketed, every data-parallel layout and plain TP issue fewer collectives per step than per
     leaf, each run's profile was read, and the box's bound lies below the side-by-side pair's

@@ -310,6 +310,7 @@ def test_a_full_disk_mid_run_is_named_and_the_weights_are_still_written(tmp_path
     assert (tmp_path / "runs" / "full" / "model.safetensors").exists()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("where", ["prepare", "commit"])
 def test_a_save_that_fails_on_rank_0_alone_stops_every_rank_together(tmp_path, where):
     """Two ranks, on_save_error stop; only rank 0's part of the step-2 save fails: preparing its

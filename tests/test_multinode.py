@@ -14,7 +14,7 @@ import pytest
 from lmfunc.train.log import read_log
 from tests.helpers import ROOT, run_torchrun, torchrun_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 COMMON = ["--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "32", "--run.micro-batch-size", "2",
           "--optim.lr-warmup-iters", "1", "--run.eval-iters", "1", "--run.eval-interval", "3", "--run.sample-tokens", "0",
@@ -32,10 +32,11 @@ def free_port() -> int:
 
 
 def start_nodes(nproc_per_node: int, args: list[str], port: int, run_id: str) -> list[subprocess.Popen]:
-    """One ``torchrun --nnodes 2 --node-rank N ... -m lmfunc.train ARGS`` per node, side by side."""
+    """One ``torchrun --nnodes 2 --node-rank N ... -m lmfunc.train ARGS`` per node, side by side (with a
+    short exit barrier, ``tests/elastic_launcher.py``)."""
     procs = []
     for node in (0, 1):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+        command = [sys.executable, "-m", "tests.elastic_launcher", "--nnodes", "2", "--node-rank", str(node),
                    "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "-m", "lmfunc.train", *args]
         procs.append(subprocess.Popen(command, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE,

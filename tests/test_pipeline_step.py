@@ -14,6 +14,8 @@ import pytest
 
 from tests.helpers import run_torchrun
 
+pytestmark = pytest.mark.multirank
+
 
 @pytest.mark.parametrize("nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute, mesh", [
     (2, "1f1b", 0, 0, 1, 0, 0, 0, ""),
@@ -61,12 +63,12 @@ def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, 
     pytest.param(4, "gpipe 0 1 1 0 0 0 1 2 1", marks=pytest.mark.slow),
 ])
 def test_moe_and_mla_stages_train_like_one_process(nproc, args):
-    """An 8-layer model with MLA attention, every second layer (and the MTP layer) an MoE layer
-    (``tests.helpers.MOE_SETTINGS``: router losses, the expert bias, a shared expert), split over
-    pipeline stages: each stage's router losses join its backward, and every stage's router
-    statistics are summed over the pipeline, so the losses, grad norms, router metrics, expert
-    biases, params and Adam moments are the one-process step's, as above. Slow cases: a split
-    backward, virtual stages, compiled stages, and pp beside ep (the experts split over 2 data-parallel
-    ranks), cp and tp with sequence parallelism."""
+    """An 8-layer model (4 when compiled, ``tests/pipeline_worker.py``) with MLA attention, every
+    second layer (and the MTP layer) an MoE layer (``tests.helpers.MOE_SETTINGS``: router losses,
+    the expert bias, a shared expert), split over pipeline stages: each stage's router losses join
+    its backward, and every stage's router statistics are summed over the pipeline, so the losses,
+    grad norms, router metrics, expert biases, params and Adam moments are the one-process step's,
+    as above. Slow cases: a split backward, virtual stages, compiled stages, and pp beside ep (the
+    experts split over 2 data-parallel ranks), cp and tp with sequence parallelism."""
     proc = run_torchrun(nproc, ["-m", "tests.pipeline_worker", *args.split(), "--moe", "--mla"])
     assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]

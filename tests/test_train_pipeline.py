@@ -11,6 +11,8 @@ import torch
 from lmfunc.train.log import read_log
 from tests.helpers import run_torchrun
 
+pytestmark = pytest.mark.multirank
+
 STEPS = 6
 COMMON = ["-m", "lmfunc.train", "--preset", "tiny", "--model.num-layers", "4", "--model.no-scan-layers",
           "--model.vocab-size", "384", "--data.seq-length", "32", "--run.train-iters", str(STEPS),
