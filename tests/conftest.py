@@ -47,15 +47,18 @@ instead of always the last ones in file order."""
 
 
 @pytest.fixture(autouse=True)
-def _one_multirank_launch_at_a_time(request):
-    """A test marked ``multirank`` holds the machine's multi-rank slot (``tests.helpers.multirank_slot``)
-    while it runs; other tests run beside it on the other pytest-xdist worker."""
-    if request.node.get_closest_marker("multirank") is None:
-        yield
-        return
-    from tests.helpers import multirank_slot
+def _share_of_the_machine(request):
+    """Every test holds the machine shared (``tests.helpers.machine_share``), a test marked
+    ``exclusive`` holds it alone, and a test marked ``multirank`` also holds the machine's one
+    multi-rank slot (``tests.helpers.multirank_slot``) while it runs: under pytest-xdist, the other
+    worker runs single-process tests beside a multi-rank one, and nothing beside an exclusive one."""
+    import contextlib
 
-    with multirank_slot():
+    from tests.helpers import machine_share, multirank_slot
+
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    multirank = request.node.get_closest_marker("multirank") is not None
+    with machine_share(exclusive), multirank_slot() if multirank else contextlib.nullcontext():
         yield
 
 
@@ -83,11 +86,38 @@ def pytest_collection_modifyitems(config, items):
     items[:] = items[offset:] + items[:offset]
 
 
+NOT_STARTED = f"CI time budget spent ({SLOW_DEADLINE}): slow test not started"
+_not_started: list[str] = []
+
+
 def pytest_runtest_setup(item):
     deadline = os.environ.get(SLOW_DEADLINE)
     if deadline and item.get_closest_marker("slow") is not None:
         import time
 
         if time.time() > float(deadline):
-            pytest.skip(f"CI time budget spent ({SLOW_DEADLINE}): slow test not started; run `python -m pytest "
-                        f"-m slow` to run it")
+            pytest.skip(f"{NOT_STARTED}; run `python -m pytest -m slow` to run it")
+
+
+def pytest_runtest_logreport(report):
+    """Remember each test the deadline left unstarted (on the controller, from every xdist worker)."""
+    if report.skipped and NOT_STARTED in str(report.longrepr):
+        _not_started.append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _not_started:
+        terminalreporter.section("tests the CI time budget left unstarted", red=True)
+        for nodeid in _not_started:
+            terminalreporter.write_line(nodeid)
+
+
+UNSTARTED_FAILS = "LMFUNC_UNSTARTED_FAILS"
+"""Environment variable: with ``1`` a run that left tests unstarted fails (after listing them), so
+the budget can never silently shrink what is checked. ``.ci/run`` sets it once the slow tier fits
+its budget (docs/testing.md)."""
+
+
+def pytest_sessionfinish(session):
+    if _not_started and os.environ.get(UNSTARTED_FAILS) == "1" and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

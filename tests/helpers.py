@@ -73,6 +73,23 @@ def multirank_slot() -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+MACHINE_LOCK = os.path.join(tempfile.gettempdir(), "lmfunc-tests-machine.lock")
+"""The file every test holds a shared lock on while it runs, and an ``exclusive`` test an exclusive one."""
+
+
+@contextlib.contextmanager
+def machine_share(exclusive: bool) -> Iterator[None]:
+    """Hold the machine shared with the other pytest-xdist worker's test, or alone: an ``flock`` on
+    ``MACHINE_LOCK``, shared or exclusive, waited for. A test whose assertions rest on timings
+    (``exclusive``) must not run beside another test."""
+    with open(MACHINE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def run_torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``torchrun_command(nproc, args)`` from the repository root, holding the multi-rank slot;
     fail with its output unless it exits 0."""

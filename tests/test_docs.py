@@ -1,5 +1,6 @@
 """The README's Python tour and the notebooks run as written."""
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,8 @@ import sys
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from tests.helpers import multirank_slot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,11 +88,11 @@ def test_every_readme_train_command_is_a_valid_config(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.multirank  # the README's torchrun commands
 def test_every_readme_command_runs(tmp_path):
     """Every README command of lmfunc.train (2 steps, eager: compiling is covered by the e2e tests),
     lmfunc.data.preprocess and lmfunc.generate runs as written, in a folder with the inputs the
-    README names (my_book.txt, corpus.jsonl, other_text_document made by the preprocess command)."""
+    README names (my_book.txt, corpus.jsonl, other_text_document made by the preprocess command).
+    The torchrun commands take the multi-rank slot (``tests.helpers.multirank_slot``) one at a time."""
     from lmfunc.data.corpus import embedded_documents
 
     docs = embedded_documents()[:40]
@@ -120,7 +123,8 @@ def test_every_readme_command_runs(tmp_path):
         launch = ([sys.executable, "-m", "lmfunc.train"] if processes == 1 else
                   [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    "-m", "lmfunc.train"])
-        out = run([*launch, *flags, *short])
+        with multirank_slot() if processes > 1 else contextlib.nullcontext():
+            out = run([*launch, *flags, *short])
         assert "finished at step 2" in out
         first_run = first_run or re.search(r"run directory: (\S+)", out).group(1)
     for words in commands:

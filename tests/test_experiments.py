@@ -79,10 +79,11 @@ def test_compile_depth_study_quick(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multirank
+@pytest.mark.exclusive
 def test_scaling_study_quick(tmp_path):
     """Bucketed, every data-parallel layout and plain TP issue fewer collectives per step than per
     leaf, each run's profile was read, and the box's bound lies below the side-by-side pair's
-    efficiency."""
+    efficiency (timed, so it runs alone: ``exclusive``)."""
     summary = run_quick("scaling", tmp_path)
     rows, bound = summary["rows"], summary["bound"]
     for layout in ("dp_shard2", "dp_replicate2", "hsdp4", "tp2"):

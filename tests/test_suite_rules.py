@@ -1,0 +1,64 @@
+"""The rules the test suite itself keeps (docs/testing.md): CI runs the README's test command, a
+run that leaves tests unstarted names them (and fails when told to), multi-rank launches take one
+slot, and a timed test has the machine alone."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import MACHINE_LOCK, MULTIRANK_LOCK, ROOT, multirank_slot
+
+
+def test_ci_runs_the_readmes_test_command():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        quick_start = f.read().split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    test_command = quick_start[1].split("&& ", 1)[1]
+    assert test_command.startswith("python -m pytest") and test_command in ci, (test_command, ci)
+
+
+def test_a_run_that_leaves_tests_unstarted_fails_and_lists_them():
+    """Listed always; failing with ``LMFUNC_UNSTARTED_FAILS=1``."""
+    for fails, code in (("1", pytest.ExitCode.TESTS_FAILED), ("0", pytest.ExitCode.OK)):
+        env = dict(os.environ, LMFUNC_SLOW_TESTS_UNTIL="0", LMFUNC_UNSTARTED_FAILS=fails)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "slow", "-p", "no:cacheprovider",
+                               "tests/test_preprocess.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == code, done.stdout[-2000:]
+        listed = done.stdout.split("tests the CI time budget left unstarted", 1)[1]
+        assert "tests/test_preprocess.py::test_a_100_megabyte_single_line" in listed
+
+
+@pytest.mark.multirank
+def test_a_multirank_test_holds_the_slot_that_other_processes_wait_for():
+    """The slot is held for the whole test, re-entered by ``run_torchrun``, and another process
+    (another xdist worker) cannot take it meanwhile."""
+
+    def taken_elsewhere() -> bool:
+        return not _other_process_gets(MULTIRANK_LOCK, "LOCK_EX")
+
+    assert taken_elsewhere()
+    with multirank_slot():
+        assert taken_elsewhere()
+    assert taken_elsewhere()
+
+
+def _other_process_gets(lock_file: str, mode: str) -> bool:
+    """Whether another process gets the ``flock`` (``LOCK_SH`` or ``LOCK_EX``) on ``lock_file`` at once."""
+    script = ("import fcntl, sys\n"
+              f"lock = open({lock_file!r}, 'a')\n"
+              f"try:\n    fcntl.flock(lock, fcntl.{mode} | fcntl.LOCK_NB)\n"
+              "except BlockingIOError:\n    sys.exit(3)\n")
+    return subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 0
+
+
+def test_a_test_shares_the_machine():
+    assert _other_process_gets(MACHINE_LOCK, "LOCK_SH") and not _other_process_gets(MACHINE_LOCK, "LOCK_EX")
+
+
+@pytest.mark.exclusive
+def test_an_exclusive_test_has_the_machine_alone():
+    assert not _other_process_gets(MACHINE_LOCK, "LOCK_SH")
