@@ -63,14 +63,12 @@ def multirank_slot() -> Iterator[None]:
         finally:
             _slot_depth -= 1
         return
-    with open(MULTIRANK_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _flock(MULTIRANK_LOCK, fcntl.LOCK_EX):
         _slot_depth = 1
         try:
             yield
         finally:
             _slot_depth = 0
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 MACHINE_LOCK = os.path.join(tempfile.gettempdir(), "lmfunc-tests-machine.lock")
@@ -82,8 +80,15 @@ def machine_share(exclusive: bool) -> Iterator[None]:
     """Hold the machine shared with the other pytest-xdist worker's test, or alone: an ``flock`` on
     ``MACHINE_LOCK``, shared or exclusive, waited for. A test whose assertions rest on timings
     (``exclusive``) must not run beside another test."""
-    with open(MACHINE_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    with _flock(MACHINE_LOCK, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH):
+        yield
+
+
+@contextlib.contextmanager
+def _flock(path: str, mode: int) -> Iterator[None]:
+    """Hold an ``flock`` (``LOCK_EX`` or ``LOCK_SH``) on ``path``, waited for, released on exit."""
+    with open(path, "a") as lock:
+        fcntl.flock(lock, mode)
         try:
             yield
         finally:
