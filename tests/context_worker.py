@@ -34,6 +34,7 @@ from lmfunc.optim import adamw
 from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor, shard_params
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import flatten_with_paths
+from lmfunc.train.__main__ import exit_without_finalizing
 from tests.helpers import model_flags
 
 STEPS, MICROBATCHES, ROWS, SEQ, EOD = 5, 2, 4, 32, 0
@@ -145,3 +146,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_finalizing()

@@ -81,12 +81,17 @@ def test_compile_depth_study_quick(tmp_path):
 @pytest.mark.multirank
 @pytest.mark.exclusive
 def test_scaling_study_quick(tmp_path):
-    """Bucketed, every data-parallel layout and plain TP issue fewer collectives per step than per
-    leaf, each run's profile was read, and the box's bound lies below the side-by-side pair's
-    efficiency (timed, so it runs alone: ``exclusive``)."""
+    """Bucketed, FSDP and plain TP issue fewer collectives per step than per leaf (the quick mode
+    leaves out the runs whose counts tests/test_parallel.py asserts exactly: ``QUICK_LEAVES_OUT``),
+    each run's profile was read, and the box's bound lies below the side-by-side pair's efficiency.
+    ``exclusive``: its timings are the study's numbers, and with a compiling worker beside its
+    2- and 4-rank runs it ran past its 15-minute limit."""
+    from experiments.scaling.__main__ import QUICK_LEAVES_OUT
+
     summary = run_quick("scaling", tmp_path)
     rows, bound = summary["rows"], summary["bound"]
-    for layout in ("dp_shard2", "dp_replicate2", "hsdp4", "tp2"):
+    assert not set(rows) & set(QUICK_LEAVES_OUT), sorted(rows)
+    for layout in ("dp_shard2", "tp2"):
         bucketed, per_leaf = rows[layout]["collectives"], rows[f"{layout}_per_leaf"]["collectives"]
         assert sum(bucketed.values()) < sum(per_leaf.values()), (layout, bucketed, per_leaf)
     for layout in ("dp_shard2", "hsdp4"):

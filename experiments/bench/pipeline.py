@@ -45,6 +45,7 @@ from lmfunc.plan.pipeline_memory import chunks_in_flight, predict_pipeline_rank
 from lmfunc.train import TrainState
 from lmfunc.train.pipeline_step import make_pipeline_train_step
 from lmfunc.model.stages import rank_params
+from lmfunc.train.__main__ import exit_without_finalizing
 from tests.helpers import lm_batch
 
 WORKLOAD = {"num_layers": 8, "hidden_size": 128, "seq": 128, "micro_batch": 2}
@@ -226,11 +227,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    try:
-        for m in args.microbatches:
-            measure(args.schedule, args.virtual_stages, m, args.steps, args.timeline, args.memory, args.compile)
-    finally:
-        dist.destroy_process_group()
+    for m in args.microbatches:
+        measure(args.schedule, args.virtual_stages, m, args.steps, args.timeline, args.memory, args.compile)
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_without_finalizing()  # gloo's threads can abort a finalizing interpreter (see there)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ def main(argv=None) -> None:
         result = measure(*case_configs(config)[name])
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result))
-        return
+        from lmfunc.train.__main__ import exit_without_finalizing
+        exit_without_finalizing()  # gloo's threads can abort a finalizing interpreter (see there)
     options = parse_options("plan_accuracy", __doc__.splitlines()[0], argv)
     config = HERE / ("quick.yaml" if options.quick else "config.yaml")
     cases = case_configs(config)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lmfunc.config.yaml_io import load_config
 from lmfunc.model import gpt
 from lmfunc.tree import flatten_with_paths
+from lmfunc.train.__main__ import exit_without_finalizing
 
 REPEATS = 20
 
@@ -80,3 +81,4 @@ def main(config: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_without_finalizing()  # gloo's threads can abort a finalizing interpreter (see there)
