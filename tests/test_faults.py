@@ -311,15 +311,16 @@ def test_a_full_disk_mid_run_is_named_and_the_weights_are_still_written(tmp_path
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("where", ["prepare", "commit"])
+@pytest.mark.parametrize("where", ["prepare", "commit", "late-commit"])
 def test_a_save_that_fails_on_rank_0_alone_stops_every_rank_together(tmp_path, where):
     """Two ranks, on_save_error stop; only rank 0's part of the step-2 save fails: preparing its
     folder (the other rank would wait in the save's collectives) or committing it, which rank 0
-    finds at its own step. Every rank stops after the same step (the run ends with save_failed
+    finds at its own step, or only inside the next save while rank 1 is already in it
+    (``late-commit``: both ranks must then raise in that save, or they deadlock). Every rank stops after the same step (the run ends with save_failed
     instead of hanging), the failure is named, and no checkpoint claims to be complete."""
     import signal
 
-    from tests.helpers import torchrun_command, torchrun_env
+    from tests.helpers import kill_processes_mentioning, torchrun_command, torchrun_env
 
     proc = subprocess.Popen(torchrun_command(2, ["tests/save_failure_worker.py", str(tmp_path), where]), cwd=ROOT,
                             env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -331,8 +332,11 @@ def test_a_save_that_fails_on_rank_0_alone_stops_every_rank_together(tmp_path, w
         try:
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
+            # Ranks stuck in a collective ignore SIGTERM until their step ends, live in sessions of
+            # their own and hold the output pipe: kill them by their command line, then read.
             os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+            kill_processes_mentioning(str(tmp_path))
+            out, _ = proc.communicate(timeout=30)
         pytest.fail(f"the ranks did not stop together (killed after 300 s):\n{out[-3000:]}")
     assert proc.returncode != 0, out[-3000:]
     assert f"saving checkpoint step 2 to {tmp_path / 'r' / 'checkpoints'} failed: no space left" in out, out[-3000:]

@@ -235,11 +235,14 @@ class CheckpointManager:
         shards by rank 0. With async_save the tensors of ``tree`` must stay unmodified until the
         save completes, unless ``stage`` copies them first (needed when the next train step
         donates its state: ``make_train_step(donate_state=True)``)."""
-        self.wait()
+        error: Optional[BaseException] = None
+        try:
+            self.wait()
+        except SaveFailed as err:  # the previous save failed on this rank (a commit fails on rank 0 alone)
+            error = err
         tmp = self.path(step) + ".tmp"
         nbytes = local_tree_bytes(tree)
-        error: Optional[BaseException] = None
-        if _rank() == 0:
+        if _rank() == 0 and error is None:
             try:
                 if os.path.exists(tmp) and not _is_unfinished_save(tmp):
                     raise ConfigError(f"checkpoint save: {tmp} exists and was not written by lmfunc; move it away")
@@ -268,19 +271,28 @@ class CheckpointManager:
                 raise self._failure(step, err, nbytes) from None
 
     def _agree(self, error: Optional[BaseException], step: int, nbytes: int) -> None:
-        """Share rank 0's outcome of preparing a save (``error``, or None on success) with every
-        rank of the group, so all of them raise the same error or all go on: a rank that went on
-        alone would wait forever in the save's collectives. (Rank 0's commit, which may finish at
-        another step than the other ranks notice it, raises on rank 0 alone; the trainer's per-step
-        stop vote, ``StopRequests.should_stop``, then stops every rank together.)"""
-        outcome: list = [None]
-        if _rank() == 0 and error is not None:
-            outcome = [("config", str(error)) if isinstance(error, ConfigError)
-                       else ("failed", str(self._failure(step, error, nbytes)))]
+        """Share every rank's outcome before a save's collectives (``error``: rank 0's failure to
+        prepare the save, or the failure of this rank's previous save that ``wait`` found; None on
+        success), so all ranks raise the same error (the lowest rank's) or all go on. A rank that
+        went on alone would wait forever in the save's collectives, and one that raised alone would
+        leave the others waiting in them. (Rank 0's commit of a background save can fail at another
+        step than the other ranks look: there ``wait`` raises on rank 0 alone, which this shares; a
+        failure found between saves, by ``in_flight``, reaches every rank through the trainer's
+        per-step stop vote, ``StopRequests.should_stop``.)"""
+        mine = None
+        if isinstance(error, SaveFailed):
+            mine = ("failed", str(error))
+        elif isinstance(error, ConfigError):
+            mine = ("config", str(error))
+        elif error is not None:
+            mine = ("failed", str(self._failure(step, error, nbytes)))
+        outcomes = [mine]
         if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(outcome, group=self.process_group, group_src=0)
-        if outcome[0] is not None:
-            kind, message = outcome[0]
+            outcomes = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(outcomes, mine, group=self.process_group)
+        first = next((outcome for outcome in outcomes if outcome is not None), None)
+        if first is not None:
+            kind, message = first
             raise (ConfigError if kind == "config" else SaveFailed)(message)
 
     def _failure(self, step: int, err: BaseException, nbytes: int) -> "SaveFailed":
