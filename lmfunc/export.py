@@ -6,7 +6,10 @@ Reads the params of one checkpoint (any mesh it was saved on) on a single proces
   that ``python -m lmfunc.generate --run OUT`` reads;
 - ``hf``: ``OUT/model.safetensors`` + ``OUT/config.json`` for ``transformers.LlamaForCausalLM`` (or
   ``Qwen3MoeForCausalLM`` for a mixture-of-experts model);
-- ``orbax``: an orbax PyTree checkpoint of numpy arrays (needs ``pip install 'lmfunc[orbax]'``).
+- ``orbax``: an orbax PyTree checkpoint of numpy arrays (needs ``pip install 'lmfunc[orbax]'``);
+- ``megatron``: a Megatron-LM ``torch_dist`` checkpoint, ``OUT/release/`` with its tracker file, that
+  megatron-core loads into a ``GPTModel`` built from the arguments printed and written to
+  ``OUT/megatron_args.txt`` (``lmfunc.checkpoint.megatron``), at any TP/PP layout.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ class ExportArgs:
     """A run directory, a checkpoint save_dir or one iter_NNNNNNN/ directory."""
     out: str
     """Output directory."""
-    format: Literal["safetensors", "hf", "orbax"] = "safetensors"
-    """safetensors (lmfunc names + config.yaml), hf (Llama, or Qwen3-MoE with experts, + config.json) or orbax."""
+    format: Literal["safetensors", "hf", "orbax", "megatron"] = "safetensors"
+    """safetensors (lmfunc names + config.yaml), hf (Llama, or Qwen3-MoE with experts, + config.json), orbax, or
+    megatron (a torch_dist checkpoint + the Megatron arguments of the model)."""
     step: Optional[int] = None
     """The checkpoint step to export; None takes the newest."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -92,6 +96,14 @@ def export(args: ExportArgs) -> str:
         from lmfunc.checkpoint.orbax_export import save_orbax
 
         save_orbax(tree_map(lambda x: x.to(dtype), params), args.out)
+    elif args.format == "megatron":
+        from lmfunc.checkpoint.megatron import ARGUMENTS_FILE, save_megatron
+
+        save_megatron(params, cfg.model, args.out, dtype=dtype)
+        with open(os.path.join(args.out, ARGUMENTS_FILE)) as f:
+            arguments = f.read()
+        return (f"exported {step_dir} as megatron ({args.dtype}) to {args.out}; the model's Megatron arguments "
+                f"({os.path.join(args.out, ARGUMENTS_FILE)}):\n{arguments}")
     else:
         from lmfunc.checkpoint import save_weights
 

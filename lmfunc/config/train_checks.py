@@ -109,9 +109,12 @@ def validate_checkpoint(ck: CheckpointConfig) -> None:
              f"checkpoint.save_interval must be positive (or None to save only when the run stops), got {ck.save_interval}")
     _require(ck.keep is None or ck.keep > 0, f"checkpoint.keep must be positive (or None to keep all), got {ck.keep}")
     _require(ck.load_step is None or ck.load_step >= 0, f"checkpoint.load_step must be >= 0, got {ck.load_step}")
-    _require(ck.load_hf is None or (ck.load is None and ck.load_step is None),
-             "checkpoint.load_hf starts from imported weights; it cannot be combined with checkpoint.load or "
-             "checkpoint.load_step")
+    for name in ("load_hf", "load_megatron"):
+        _require(getattr(ck, name) is None or (ck.load is None and ck.load_step is None),
+                 f"checkpoint.{name} starts from imported weights; it cannot be combined with checkpoint.load or "
+                 "checkpoint.load_step")
+    _require(ck.load_hf is None or ck.load_megatron is None,
+             "checkpoint.load_hf and checkpoint.load_megatron both give the initial weights: pass one of them")
     _require(not ck.finetune or ck.load is not None or ck.load_step is not None,
              "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory")
 

@@ -35,12 +35,24 @@ def place_params(params: PyTree, cfg: ModelConfig, mesh: Optional[DeviceMesh], r
     return shard_params(params, model.param_axes(cfg), mesh, rules)
 
 
-def initial_params(cfg: TrainConfig, layout: Layout, resuming: bool) -> PyTree:
-    """Freshly initialised parameters, or those imported from ``checkpoint.load_hf`` (unless the run
-    resumes from its own checkpoint), in the layout."""
-    if cfg.checkpoint.load_hf is not None and not resuming:
+def imported_params(cfg: TrainConfig) -> Optional[PyTree]:
+    """The full parameters ``checkpoint.load_hf`` or ``checkpoint.load_megatron`` names (fp32,
+    on the CPU), or None when the run starts from neither."""
+    if cfg.checkpoint.load_hf is not None:
         from lmfunc.checkpoint.hf import load_hf
 
-        return place_params(load_hf(cfg.checkpoint.load_hf, cfg.model), cfg.model, layout.mesh,
-                            device=layout.device)
+        return load_hf(cfg.checkpoint.load_hf, cfg.model)
+    if cfg.checkpoint.load_megatron is not None:
+        from lmfunc.checkpoint.megatron import load_megatron
+
+        return load_megatron(cfg.checkpoint.load_megatron, cfg.model).params
+    return None
+
+
+def initial_params(cfg: TrainConfig, layout: Layout, resuming: bool) -> PyTree:
+    """Freshly initialised parameters, or those imported from ``checkpoint.load_hf`` or
+    ``checkpoint.load_megatron`` (unless the run resumes from its own checkpoint), in the layout."""
+    imported = None if resuming else imported_params(cfg)
+    if imported is not None:
+        return place_params(imported, cfg.model, layout.mesh, device=layout.device)
     return init_params(cfg.model, layout.mesh, seed=cfg.run.seed, device=layout.device)

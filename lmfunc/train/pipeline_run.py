@@ -25,6 +25,7 @@ from lmfunc.model import gpt
 from lmfunc.parallel.mesh import Layout
 from lmfunc.parallel.sharding import full_tensors, init_sharded, shard_params
 from lmfunc.model.stages import rank_params
+from lmfunc.train.params import imported_params
 from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_map_with_path, tree_unflatten_as
 
@@ -74,13 +75,12 @@ def init_rank_params(cfg: ModelConfig, pipe: PipelineRank, seed: int, device: to
 
 
 def initial_rank_params(cfg: TrainConfig, pipe: PipelineRank, device: torch.device, resuming: bool) -> PyTree:
-    """This rank's part of the run's initial parameters: imported from ``checkpoint.load_hf``
-    (unless the run resumes from its own checkpoint; every rank reads the files and keeps its
-    leaves), else freshly drawn (``init_rank_params``)."""
-    if cfg.checkpoint.load_hf is not None and not resuming:
-        from lmfunc.checkpoint.hf import load_hf
-
-        part = rank_params(load_hf(cfg.checkpoint.load_hf, cfg.model), cfg.model, pipe.split, pipe.rank)
+    """This rank's part of the run's initial parameters: imported from ``checkpoint.load_hf`` or
+    ``checkpoint.load_megatron`` (unless the run resumes from its own checkpoint; every rank reads
+    the files and keeps its leaves), else freshly drawn (``init_rank_params``)."""
+    imported = None if resuming else imported_params(cfg)
+    if imported is not None:
+        part = rank_params(imported, cfg.model, pipe.split, pipe.rank)
         part = tree_map(lambda leaf: leaf.to(device), part)
         if pipe.data_mesh is not None:
             axes = rank_params(gpt.param_axes(cfg.model), cfg.model, pipe.split, pipe.rank)

@@ -181,8 +181,11 @@ def step_to_load(cfg: TrainConfig, load_dir: str) -> Optional[int]:
     step = latest_step(load_dir)
     if step is None and ck.load is not None:
         found = foreign_entries(load_dir)
+        megatron = any("Megatron" in entry for entry in found)
         raise ConfigError(f"checkpoint.load {load_dir} holds no complete lmfunc checkpoint (iter_NNNNNNN/ with metadata.json)"
-                          + (f"; found {'; '.join(found)}" if found else ""))
+                          + (f"; found {'; '.join(found)}" if found else "")
+                          + (f". To start from a Megatron checkpoint's weights, pass --checkpoint.load-megatron {load_dir} "
+                             "instead of --checkpoint.load" if megatron else ""))
     return step
 
 

@@ -1,0 +1,252 @@
+"""Megatron-LM checkpoints on disk: read and write the ``torch_dist`` format (Megatron's default,
+``--ckpt-format torch_dist``) without megatron-core.
+
+A Megatron save directory holds ``latest_checkpointed_iteration.txt`` (an iteration or ``release``)
+and one directory per save, ``iter_NNNNNNN/`` (or ``release/``). A ``torch_dist`` one holds
+``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), ``common.pt`` (the state that is
+not sharded: Megatron's training loop puts its ``args`` and ``iteration`` there) and the files of
+``torch.distributed.checkpoint``. Every tensor is stored whole (its global shape), whatever TP/PP/EP
+layout saved it, under its ``sharded_state_dict`` key: the layers are stacked along a leading axis,
+``decoder.layers.<name>`` ``[L, ...]``, and named in Transformer Engine's spelling
+(``lmfunc.checkpoint.megatron_layout``). So one process reads any layout's save by key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from argparse import Namespace
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lmfunc.checkpoint.megatron_args import flag, megatron_arguments, mismatches, model_settings
+from lmfunc.checkpoint.megatron_layout import EXTRA_STATE_MODULES, from_megatron_layers, to_megatron_layers
+from lmfunc.checkpoint.megatron_legacy import read_legacy_model
+from lmfunc.config.model import ConfigError, ModelConfig
+from lmfunc.tree import PyTree
+
+TRACKER = "latest_checkpointed_iteration.txt"
+"""The file in a Megatron save directory that names its newest save."""
+METADATA = "metadata.json"
+COMMON = "common.pt"
+TORCH_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}
+"""``metadata.json`` as megatron-core writes it for a ``torch_dist`` save."""
+LAYERS_PREFIX = "decoder.layers."
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+"""Keys of the model's tensors in a ``torch_dist`` save (optimizer and RNG state have others)."""
+
+
+def iteration_dir(path: str) -> str:
+    """The directory of one save: ``path`` itself when it is one (``iter_NNNNNNN/``, ``release/``, or
+    any folder holding ``metadata.json`` or ``mp_rank_*/``, as megatron-core's
+    ``dist_checkpointing.save`` writes), else the newest save of the Megatron save directory
+    ``path`` (its ``latest_checkpointed_iteration.txt``, or its last ``iter_NNNNNNN/``)."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint.load_megatron: {path} is not a directory")
+    tracker = os.path.join(path, TRACKER)
+    if os.path.exists(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        if name is None:
+            raise ConfigError(f"checkpoint.load_megatron: {tracker} holds {text!r}, neither an iteration nor 'release'")
+        found = os.path.join(path, name)
+        if not os.path.isdir(found):
+            raise ConfigError(f"checkpoint.load_megatron: {tracker} names {name}, but {found} does not exist")
+        return found
+    if (re.fullmatch(r"iter_\d{7}|release", os.path.basename(os.path.normpath(path)))
+            or os.path.exists(os.path.join(path, METADATA)) or any(entry.startswith("mp_rank_") for entry in os.listdir(path))):
+        return path
+    saves = sorted(entry for entry in os.listdir(path) if re.fullmatch(r"iter_\d{7}", entry))
+    if saves:
+        return os.path.join(path, saves[-1])
+    raise ConfigError(f"checkpoint.load_megatron: {path} is neither a Megatron save directory (no {TRACKER}, no "
+                      "iter_NNNNNNN/) nor one save (iter_NNNNNNN/ or release/)")
+
+
+def checkpoint_format(directory: str) -> str:
+    """'torch_dist' or 'torch' (legacy ``mp_rank_*``) for one save directory."""
+    if os.path.exists(os.path.join(directory, METADATA)):
+        with open(os.path.join(directory, METADATA)) as f:
+            try:
+                backend = json.load(f).get("sharded_backend")
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"checkpoint.load_megatron: {directory}/{METADATA} is not valid JSON: {err}") from None
+        if backend != "torch_dist":
+            raise ConfigError(f"checkpoint.load_megatron: {directory} is a {backend!r} save; lmfunc reads 'torch_dist' "
+                              "and the legacy 'torch' format (Megatron's --ckpt-format)")
+        return "torch_dist"
+    if any(entry.startswith("mp_rank_") for entry in os.listdir(directory)):
+        return "torch"
+    raise ConfigError(f"checkpoint.load_megatron: {directory} holds neither {METADATA} (torch_dist) nor mp_rank_*/ "
+                      "(the legacy torch format)")
+
+
+def read_torch_dist_model(directory: str) -> dict[str, torch.Tensor]:
+    """The model tensors of a ``torch_dist`` save, whole and with the layers unstacked:
+    ``decoder.layers.<i>.<name>`` for each stacked ``decoder.layers.<name>`` ``[L, ...]``."""
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except (OSError, EOFError, RuntimeError, ValueError) as err:
+        raise ConfigError(f"checkpoint.load_megatron: {directory}/.metadata cannot be read ({err}); the save is "
+                          "incomplete or damaged") from None
+    wanted = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in metadata.state_dict_metadata.items()
+              if isinstance(meta, TensorStorageMetadata) and key.startswith(MODEL_PREFIXES)}
+    if not wanted:
+        raise ConfigError(f"checkpoint.load_megatron: {directory} holds no model tensors (no keys under "
+                          f"{', '.join(MODEL_PREFIXES)})")
+    try:
+        dcp.load(wanted, storage_reader=FileSystemReader(directory), no_dist=True)
+    except (Exception, CheckpointException) as err:  # DCP reports a short or missing shard file as a BaseException
+        raise ConfigError(f"checkpoint.load_megatron: reading {directory} failed: {_first_line(err)}; a shard file "
+                          "is missing or truncated") from None
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in wanted.items():
+        if key.startswith(LAYERS_PREFIX):
+            rest = key.removeprefix(LAYERS_PREFIX)
+            for i, layer in enumerate(tensor.unbind(0)):
+                out[f"{LAYERS_PREFIX}{i}.{rest}"] = layer
+        else:
+            out[key] = tensor
+    return out
+
+
+def read_common(directory: str) -> dict:
+    """``common.pt`` of a ``torch_dist`` save ({} when absent), loaded without running pickled code:
+    Megatron's ``args`` Namespace is allowed, nothing else beyond plain data."""
+    import argparse
+
+    path = os.path.join(directory, COMMON)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConfigError(f"checkpoint.load_megatron: {path} holds objects beyond plain data and Megatron's args "
+                          f"({_first_line(err)}); lmfunc does not unpickle arbitrary classes, since a pickle can run "
+                          "code. Give the model settings as flags instead and move common.pt aside") from None
+
+
+def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteration: Optional[int] = None,
+                           common: Optional[dict] = None, extra_state_modules: tuple[str, ...] = ()) -> str:
+    """Write Megatron-named, per-layer ``tensors`` (``decoder.layers.<i>.*``) as a ``torch_dist``
+    save under the save directory ``path``: ``iter_NNNNNNN/`` (``release/`` when ``iteration`` is
+    None) with the layers stacked, ``metadata.json``, ``common.pt`` and the tracker file. Returns
+    the save's directory.
+
+    ``extra_state_modules``: a layer's modules (``self_attention.linear_qkv``, ...) whose
+    ``_extra_state`` megatron-core expects in the save. Megatron stores a linear layer's extra state
+    (Transformer Engine's FP8 metadata; None without TE) as one pickled object per layer,
+    ``decoder.layers.<module>._extra_state/shard_<i>_<L>``, and refuses a save without it; each is
+    written as None, the state of a layer that has not run in FP8."""
+    name = "release" if iteration is None else f"iter_{iteration:07d}"
+    directory = os.path.join(path, name)
+    os.makedirs(directory, exist_ok=True)
+    stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    flat: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+        if match:
+            stacked.setdefault(match.group(2), []).append((int(match.group(1)), tensor))
+        else:
+            flat[key] = tensor.contiguous()
+    num_layers = 0
+    for rest, layers in stacked.items():
+        layers.sort(key=lambda item: item[0])
+        flat[LAYERS_PREFIX + rest] = torch.stack([tensor for _, tensor in layers])
+        num_layers = len(layers)
+    objects = {f"{LAYERS_PREFIX}{module}._extra_state/shard_{i}_{num_layers}": _sharded_object(None)
+               for module in extra_state_modules for i in range(num_layers)}
+    dcp.save({**flat, **objects}, checkpoint_id=directory, no_dist=True)
+    torch.save(common or {}, os.path.join(directory, COMMON))
+    with open(os.path.join(directory, METADATA), "w") as f:
+        json.dump(TORCH_DIST_METADATA, f)
+    with open(os.path.join(path, TRACKER), "w") as f:
+        f.write("release" if iteration is None else str(iteration))
+    return directory
+
+
+def _sharded_object(value: object) -> list:
+    """One Megatron ``ShardedObject`` as DCP stores it: the list of the objects under its key (here
+    one), which DCP's planner saves as one ``torch.save`` blob, as megatron-core's does (DCP keeps
+    a list of non-tensors whole)."""
+    return [value]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronCheckpoint:
+    """What ``load_megatron`` read: the params and where Megatron's run stood."""
+
+    params: PyTree
+    """lmfunc params (fp32), ``cfg``'s tree."""
+    directory: str
+    """The save that was read (``iter_NNNNNNN/`` or ``release/``)."""
+    format: str
+    """'torch_dist' or 'torch' (legacy)."""
+    iteration: Optional[int]
+    """Megatron's iteration at the save (None when the save holds none, as megatron-core's own)."""
+    args: Optional[Namespace]
+    """Megatron's training arguments (None when the save holds none)."""
+
+
+def load_megatron(path: str, cfg: ModelConfig) -> MegatronCheckpoint:
+    """lmfunc params from a Megatron checkpoint: a save directory (its newest save) or one
+    ``iter_NNNNNNN/``, in the ``torch_dist`` or the legacy format, any TP/PP layout. When the save
+    holds Megatron's ``args``, the model they describe must be ``cfg``'s (else ``ConfigError`` lists
+    the flags to pass); without them, every tensor's shape is checked against ``cfg``."""
+    directory = iteration_dir(path)
+    kind = checkpoint_format(directory)
+    if kind == "torch_dist":
+        tensors, other = read_torch_dist_model(directory), read_common(directory)
+        source = f"{directory}/{COMMON}"
+    else:
+        tensors, other = read_legacy_model(directory, swiglu=cfg.activation == "swiglu")
+        source = f"{directory}/mp_rank_00*/model_optim_rng.pt"
+    args = other.get("args")
+    if args is not None:
+        settings = model_settings(args, source)
+        differing = mismatches(settings, cfg)
+        if differing:
+            raise ConfigError(
+                f"{source} holds a Megatron model that differs from the model config: "
+                + "; ".join(f"{name} is {theirs} there, {ours} here" for name, (theirs, ours) in differing.items())
+                + ". To import it, pass " + " ".join(flag(name, theirs) for name, (theirs, _) in differing.items()))
+    params = from_megatron_layers(tensors, cfg, directory)
+    iteration = other.get("iteration")
+    return MegatronCheckpoint(params, directory, kind, int(iteration) if iteration is not None else None, args)
+
+
+ARGUMENTS_FILE = "megatron_args.txt"
+"""The Megatron arguments of an exported model, written beside its save."""
+
+
+def save_megatron(params: PyTree, cfg: ModelConfig, path: str, iteration: Optional[int] = None,
+                  dtype: Optional[torch.dtype] = None) -> str:
+    """Write full ``params`` as a Megatron ``torch_dist`` save under ``path`` (``release/``, or
+    ``iter_NNNNNNN/`` for an ``iteration``) with the tracker file, and ``path/megatron_args.txt``:
+    the arguments that build the matching megatron-core ``GPTModel`` (``megatron_arguments``).
+    megatron-core's ``dist_checkpointing.load`` reads it into such a model at any TP/PP layout.
+    Returns the save's directory."""
+    tensors = {name: tensor.to(dtype or tensor.dtype) for name, tensor in to_megatron_layers(params, cfg).items()}
+    common = {"checkpoint_version": 3.0} | ({"iteration": iteration} if iteration is not None else {})
+    directory = write_torch_dist_model(tensors, path, iteration, common, extra_state_modules=EXTRA_STATE_MODULES)
+    with open(os.path.join(path, ARGUMENTS_FILE), "w") as f:
+        f.write(" \\\n".join(argument for argument in megatron_arguments(cfg) if not argument.startswith("#")) + "\n")
+        f.write("".join(f"{argument}\n" for argument in megatron_arguments(cfg) if argument.startswith("#")))
+    return directory

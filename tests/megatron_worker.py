@@ -1,0 +1,63 @@
+"""Worker for tests/test_megatron.py (torchrun, 2 ranks, gloo): megatron-core itself saves one
+tiny dense model split over tensor parallelism 2, then another split over pipeline parallelism 2,
+each in both formats: ``torch_dist`` (``dist_checkpointing.save``) and the legacy one (each rank's
+``state_dict()`` as ``mp_rank_TT[_PPP]/model_optim_rng.pt``, as Megatron's training loop writes it).
+
+``python -m tests.megatron_worker OUT``: writes ``OUT/tp2_dist``, ``OUT/tp2_legacy``, ``OUT/pp2_dist``
+and ``OUT/pp2_legacy``. The model is ``tests.test_megatron.split_config()``; with
+``use_cpu_initialization`` megatron-core draws each whole weight from the seeded CPU generator and
+keeps this rank's slice, so both layouts hold the same model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from lmfunc.train.__main__ import exit_without_finalizing
+from tests.megatron_oracle import megatron_gpt, megatron_on_cpu
+
+
+def save_both_formats(gpt, out: str, tp_rank: int, pp_rank: int, pp: int) -> None:
+    """``gpt`` (this rank's part) as a torch_dist save ``out + '_dist'`` and a legacy one ``out + '_legacy'``."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(out + "_dist", exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(gpt.sharded_state_dict(), out + "_dist")
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    folder = os.path.join(out + "_legacy", "iter_0000005", name)
+    os.makedirs(folder, exist_ok=True)
+    torch.save({"model": gpt.state_dict(), "iteration": 5, "checkpoint_version": 3.0},
+               os.path.join(folder, "model_optim_rng.pt"))
+    with open(os.path.join(out + "_legacy", "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+    dist.barrier()
+
+
+def main(out: str) -> None:
+    from megatron.core import parallel_state
+
+    from tests.test_megatron import split_config
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = split_config()
+    with megatron_on_cpu(tp=2, pp=1):
+        torch.manual_seed(0)
+        save_both_formats(megatron_gpt(cfg), os.path.join(out, "tp2"), rank, 0, 1)
+    with megatron_on_cpu(tp=1, pp=2):
+        torch.manual_seed(0)
+        first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        save_both_formats(megatron_gpt(cfg, pre_process=first, post_process=last), os.path.join(out, "pp2"), 0, rank, 2)
+    print(f"rank {rank} ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_without_finalizing()

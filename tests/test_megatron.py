@@ -1,0 +1,253 @@
+"""Megatron-LM checkpoints (``lmfunc.checkpoint.megatron``), with megatron-core itself as the oracle
+(``tests/megatron_oracle.py``): the fused layouts give Megatron's ``GPTModel`` lmfunc's logits and,
+leaf by leaf, its gradients; a ``torch_dist`` save written by megatron-core imports, and lmfunc's
+export loads back into megatron-core; Megatron's stored arguments must describe the model; bad
+input gets one line that names the problem."""
+
+import argparse
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from lmfunc import model
+from lmfunc.checkpoint.megatron import (
+    ARGUMENTS_FILE, COMMON, load_megatron, read_torch_dist_model, save_megatron, write_torch_dist_model,
+)
+from lmfunc.checkpoint.megatron_layout import TE_NORM_NAMES, from_megatron_layers, to_megatron_layers
+from lmfunc.checkpoint.megatron_legacy import FILE as LEGACY_FILE
+from lmfunc.config.model import ConfigError, model_preset
+from lmfunc.tree import flatten_with_paths, tree_map, tree_unflatten_as
+from tests.megatron_oracle import megatron_gpt, megatron_logits, megatron_on_cpu
+
+DENSE = {
+    "llama": dict(num_query_groups=2),
+    "untied-mqa-qknorm": dict(tie_embeddings=False, num_query_groups=1, qk_layernorm=True),
+    "gpt2": dict(normalization="LayerNorm", position_embedding_type="learned_absolute", add_bias_linear=True,
+                 activation="gelu", num_query_groups=4),
+}
+"""The dense architectures lmfunc trains: GQA/MQA/MHA, SwiGLU/GELU, RoPE/learned positions,
+RMSNorm/LayerNorm, QK-norm, biases, tied and untied embeddings."""
+
+
+def split_config():
+    """The model megatron-core saves split over TP 2 and PP 2 (``tests/megatron_worker.py``): 4
+    layers, 2 query groups (one per TP rank), SwiGLU, untied embeddings (with tied ones split over
+    pipeline stages, megatron-core moves the shared table to CUDA for its all-reduce)."""
+    return model_preset("tiny", vocab_size=128, num_layers=4, num_query_groups=2, tie_embeddings=False)
+
+
+def _config(name: str):
+    return model_preset("tiny", vocab_size=128, num_layers=2, **DENSE[name])
+
+
+def _params(cfg, seed: int = 0):
+    """Initial params with every leaf moved off its init (norm scales off 1, biases off 0), so a
+    swapped or transposed tensor shows in the logits."""
+    g = torch.Generator().manual_seed(seed)
+    return tree_map(lambda t: t + 0.05 * torch.randn(t.shape, generator=g), model.init(cfg, seed=seed))
+
+
+def _logits(params, cfg, tokens):
+    return model.logits(params, model.forward(params, tokens, cfg), cfg)
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_megatrons_model_on_mapped_weights_gives_lmfuncs_logits_and_gradients(name):
+    """lmfunc's params in Megatron's layout (local spec) make megatron-core's ``GPTModel`` compute
+    the same logits (1e-5), and its backward the same gradient for every tensor, mapped by the same
+    layout: a transposed square matrix or a swapped gate and up projection would show here."""
+    cfg = _config(name)
+    params = _params(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(2, 16, cfg.vocab_size, generator=torch.Generator().manual_seed(2))
+    leaves = [leaf.clone().requires_grad_() for _, leaf in flatten_with_paths(params)]
+    ours = _logits(tree_unflatten_as(params, leaves), cfg, tokens)
+    (ours * weights).sum().backward()
+    our_grads = tree_unflatten_as(params, [leaf.grad for leaf in leaves])
+    with megatron_on_cpu():
+        gpt = megatron_gpt(cfg)
+        result = gpt.load_state_dict(to_megatron_layers(params, cfg, spelling="local"), strict=False)
+        assert not [k for k in result.missing_keys if not k.endswith("_extra_state")] and not result.unexpected_keys
+        theirs = megatron_logits(gpt, tokens)
+        (theirs * weights).sum().backward()
+        their_grads = {name: p.grad for name, p in gpt.named_parameters()}
+    assert (ours - theirs).abs().max() < 1e-5
+    mapped = to_megatron_layers(our_grads, cfg, spelling="local")
+    assert mapped.keys() == their_grads.keys()
+    for key, grad in mapped.items():
+        scale = float(their_grads[key].abs().max())
+        assert scale > 0 and float((grad - their_grads[key]).abs().max()) <= 1e-5 * max(scale, 1.0), key
+
+
+def test_both_spellings_and_a_scan_model_map_back_exactly():
+    """TE's fused norm names read as the local spec's; layers stack for ``scan_layers``."""
+    cfg = _config("gpt2")
+    params = _params(cfg)
+    local = to_megatron_layers(params, cfg, spelling="local")
+    te = to_megatron_layers(params, cfg, spelling="te")
+    assert "decoder.layers.1.input_layernorm.bias" in local and "decoder.layers.1." + TE_NORM_NAMES[
+        "input_layernorm.bias"] in te
+    for tensors in (local, te):
+        back = from_megatron_layers(tensors, cfg, "test")
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(back), flatten_with_paths(params)))
+        storages = [leaf.untyped_storage().data_ptr() for _, leaf in flatten_with_paths(back)]
+        assert len(set(storages)) == len(storages)  # a donating step updates each leaf in place
+    scan = dataclasses.replace(cfg, scan_layers=True)
+    stacked = from_megatron_layers(te, scan, "test")
+    assert stacked["layers"]["attn"]["wq"].shape[0] == cfg.num_layers
+    assert to_megatron_layers(stacked, scan).keys() == te.keys()
+
+
+def test_a_torch_dist_save_of_megatron_core_imports_and_lmfuncs_export_loads_back(tmp_path):
+    """megatron-core's ``dist_checkpointing.save`` of its model imports to params with its logits;
+    ``save_megatron`` of other params loads into a fresh megatron-core model through
+    ``dist_checkpointing.load`` (the ``_extra_state`` objects included), with lmfunc's logits."""
+    from megatron.core import dist_checkpointing
+
+    cfg = _config("llama")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    saved = tmp_path / "megatron_save"
+    saved.mkdir()
+    with megatron_on_cpu():
+        gpt = megatron_gpt(cfg)
+        dist_checkpointing.save(gpt.sharded_state_dict(), str(saved))
+        expected = megatron_logits(gpt, tokens).detach()
+        imported = load_megatron(str(saved), cfg)
+        assert imported.format == "torch_dist" and imported.iteration is None and imported.args is None
+        assert (_logits(imported.params, cfg, tokens) - expected).abs().max() < 1e-5
+
+        params = _params(cfg, seed=5)
+        out = tmp_path / "export"
+        directory = save_megatron(params, cfg, str(out))
+        assert directory == str(out / "release") and (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+        fresh = megatron_gpt(cfg)
+        fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), directory), strict=False)
+        assert (megatron_logits(fresh, tokens) - _logits(params, cfg, tokens)).abs().max() < 1e-5
+    arguments = (out / ARGUMENTS_FILE).read_text()
+    assert "--swiglu" in arguments and "--num-query-groups 2" in arguments and "--disable-bias-linear" in arguments
+
+
+def test_stored_megatron_arguments_must_describe_the_model(tmp_path):
+    """With Megatron's ``args`` in ``common.pt``: a differing setting is named with the flag to
+    pass; a setting lmfunc cannot express is refused by name; a matching one imports, with the
+    iteration."""
+    cfg = _config("llama")
+    args = argparse.Namespace(num_layers=2, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                              group_query_attention=True, num_query_groups=2, kv_channels=cfg.head_dim,
+                              ffn_hidden_size=cfg.ffn_size, max_position_embeddings=cfg.max_position_embeddings,
+                              position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                              add_bias_linear=False, untie_embeddings_and_output_weights=False, padded_vocab_size=128,
+                              rotary_base=10000, rotary_percent=1.0, norm_epsilon=cfg.norm_epsilon,
+                              init_method_std=cfg.init_method_std)
+    tensors = to_megatron_layers(_params(cfg), cfg)
+    write_torch_dist_model(tensors, str(tmp_path), 40, {"args": args, "iteration": 40})
+    loaded = load_megatron(str(tmp_path), cfg)
+    assert loaded.iteration == 40 and loaded.directory.endswith("iter_0000040")
+    with pytest.raises(ConfigError, match=r"num_query_groups is 2 there, 4 here.*pass --model.num-query-groups 2"):
+        load_megatron(str(tmp_path), dataclasses.replace(cfg, num_query_groups=4))
+    args.rotary_interleaved = True
+    write_torch_dist_model(tensors, str(tmp_path), 40, {"args": args, "iteration": 40})
+    with pytest.raises(ConfigError, match=r"cannot express: rotary_interleaved=True: interleaved RoPE"):
+        load_megatron(str(tmp_path), cfg)
+
+
+def test_bad_checkpoints_get_one_line_that_names_the_problem(tmp_path):
+    """A truncated shard, a save without metadata, a shape the model does not have, an
+    architecture not mapped, and a legacy pickle that needs a class beyond plain data."""
+    cfg = _config("llama")
+    directory = write_torch_dist_model(to_megatron_layers(_params(cfg), cfg), str(tmp_path / "save"), 3)
+    shard = next(p for p in sorted(os.listdir(directory)) if p.endswith(".distcp"))
+    with open(os.path.join(directory, shard), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ConfigError, match=r"a shard file is missing or truncated"):
+        load_megatron(str(tmp_path / "save"), cfg)
+    os.remove(os.path.join(directory, "metadata.json"))
+    with pytest.raises(ConfigError, match=r"holds neither metadata.json \(torch_dist\) nor mp_rank_\*/"):
+        load_megatron(directory, cfg)
+    wide = tmp_path / "wide"
+    write_torch_dist_model(to_megatron_layers(_params(cfg), cfg), str(wide))
+    bigger = dataclasses.replace(cfg, ffn_hidden_size=2 * cfg.ffn_size)
+    with pytest.raises(ConfigError, match=r"decoder.layers.0.mlp.linear_fc1.weight has shape \(256, 64\).*implies \(512, 64\)"):
+        load_megatron(str(wide), bigger)
+    with pytest.raises(ConfigError, match=r"does not map Megatron's layout of mixture-of-experts layers"):
+        load_megatron(str(wide), model_preset("tiny", num_experts=4))
+    legacy = tmp_path / "legacy" / "iter_0000001" / "mp_rank_00"
+    legacy.mkdir(parents=True)
+    torch.save({"model": {}, "args": _Unlisted()}, legacy / LEGACY_FILE)
+    with pytest.raises(ConfigError, match=r"needs the class tests.test_megatron._Unlisted to load.*weights_only=True"):
+        load_megatron(str(tmp_path / "legacy"), cfg)
+
+
+class _Unlisted:
+    """A class a legacy checkpoint might pickle: loading it would run code, so it is refused."""
+
+
+def test_a_legacy_save_imports_with_its_arguments_and_iteration(tmp_path):
+    """A legacy ``mp_rank_00/model_optim_rng.pt`` (Megatron's model state dict, its args, the
+    iteration) imports to the same params."""
+    cfg = _config("untied-mqa-qknorm")
+    params = _params(cfg)
+    folder = tmp_path / "iter_0000007" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    args = argparse.Namespace(num_layers=2, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                              group_query_attention=True, num_query_groups=1, swiglu=True, add_bias_linear=False,
+                              qk_layernorm=True, untie_embeddings_and_output_weights=True, padded_vocab_size=128,
+                              position_embedding_type="rope", normalization="RMSNorm")
+    torch.save({"model": to_megatron_layers(params, cfg, spelling="local"), "args": args, "iteration": 7,
+                "checkpoint_version": 3.0}, folder / LEGACY_FILE)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    loaded = load_megatron(str(tmp_path), cfg)
+    assert loaded.format == "torch" and loaded.iteration == 7
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(loaded.params), flatten_with_paths(params)))
+
+
+def test_training_starts_from_megatron_weights_and_exports_them_back(tmp_path, capsys):
+    """``--checkpoint.load-megatron``: a run at learning rate 1e-30 ends with the imported weights;
+    ``python -m lmfunc.export --format megatron`` of that run writes them back unchanged. Given to
+    ``--checkpoint.load`` instead, the Megatron save is refused with the flag to use."""
+    from lmfunc.checkpoint import load_weights
+    from lmfunc.export import main as export_main
+    from lmfunc.train.__main__ import main as train_main
+
+    cfg = model_preset("tiny", vocab_size=384)
+    params = _params(cfg)
+    write_torch_dist_model(to_megatron_layers(params, cfg), str(tmp_path / "megatron"), 100)
+    common = ["--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "32", "--run.train-iters", "1",
+              "--optim.lr", "1e-30", "--optim.min-lr", "0", "--optim.lr-warmup-iters", "0", "--run.eval-iters", "0",
+              "--run.no-compile", "--log.no-progress-bar", "--run.micro-batch-size", "2", "--run.global-batch-size", "2",
+              "--run.sample-tokens", "0", "--log.peak-flops", "1e11", "--run.out-dir", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        train_main(common + ["--run.name", "wrong", "--checkpoint.load", str(tmp_path / "megatron")])
+    assert f"pass --checkpoint.load-megatron {tmp_path / 'megatron'} instead" in capsys.readouterr().err
+    train_main(common + ["--run.name", "r", "--checkpoint.load-megatron", str(tmp_path / "megatron")])
+    trained = load_weights(str(tmp_path / "r" / "model.safetensors"), params)
+    assert all(torch.equal(trained_leaf, leaf) for (_, trained_leaf), (_, leaf)
+               in zip(flatten_with_paths(trained), flatten_with_paths(params)))
+    export_main(["--checkpoint", str(tmp_path / "r"), "--out", str(tmp_path / "back"), "--format", "megatron"])
+    back = read_torch_dist_model(str(tmp_path / "back" / "release"))
+    assert all(torch.equal(back[key], tensor) for key, tensor in to_megatron_layers(params, cfg).items())
+    assert (tmp_path / "back" / "release" / COMMON).exists()
+
+
+def test_megatrons_own_tp2_and_pp2_saves_import_to_one_model(tmp_path, torchrun):
+    """megatron-core on 2 ranks saves a model split over TP 2, and one split over PP 2, each as
+    torch_dist and legacy (``tests/megatron_worker.py``). The legacy import, which merges the
+    column- and row-parallel slices, the SwiGLU halves and the stages' layer numbers itself, gives
+    the params of megatron-core's own torch_dist save of the same ranks; and the TP 2 model (drawn
+    whole, then sliced) has the logits of megatron-core's unsplit model of the same seed."""
+    torchrun(2, ["-m", "tests.megatron_worker", str(tmp_path)])
+    cfg = split_config()
+    for split in ("tp2", "pp2"):
+        merged, stored = (load_megatron(str(tmp_path / f"{split}_{kind}"), cfg) for kind in ("legacy", "dist"))
+        assert merged.format == "torch" and merged.iteration == 5 and stored.format == "torch_dist"
+        reference = dict(flatten_with_paths(stored.params))
+        for path, leaf in flatten_with_paths(merged.params):
+            assert torch.equal(leaf, reference[path]), (split, path)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    with megatron_on_cpu():
+        torch.manual_seed(0)
+        expected = megatron_logits(megatron_gpt(cfg), tokens).detach()
+    tp2 = load_megatron(str(tmp_path / "tp2_legacy"), cfg).params
+    assert (_logits(tp2, cfg, tokens) - expected).abs().max() < 1e-5
