@@ -4,7 +4,9 @@ each in both formats: ``torch_dist`` (``dist_checkpointing.save``) and the legac
 ``state_dict()`` as ``mp_rank_TT[_PPP]/model_optim_rng.pt``, as Megatron's training loop writes it).
 
 ``python -m tests.megatron_worker OUT``: writes ``OUT/tp2_dist``, ``OUT/tp2_legacy``, ``OUT/pp2_dist``
-and ``OUT/pp2_legacy``. The model is ``tests.test_megatron.split_config()``; with
+and ``OUT/pp2_legacy``. Then megatron-core loads lmfunc's export ``OUT/export/release`` (written by the
+test) into its model at TP 2 and rank 0 writes the logits of ``TOKENS`` gathered over the vocabulary
+split, ``OUT/tp2_export_logits.pt``. The model is ``tests.test_megatron.split_config()``; with
 ``use_cpu_initialization`` megatron-core draws each whole weight from the seeded CPU generator and
 keeps this rank's slice, so both layouts hold the same model.
 """
@@ -18,7 +20,11 @@ import torch
 import torch.distributed as dist
 
 from lmfunc.train.__main__ import exit_without_finalizing
-from tests.megatron_oracle import megatron_gpt, megatron_on_cpu
+from tests.megatron_oracle import megatron_gpt, megatron_logits, megatron_on_cpu
+
+
+TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+"""The batch whose logits megatron-core computes on lmfunc's export (vocabulary 128)."""
 
 
 def save_both_formats(gpt, out: str, tp_rank: int, pp_rank: int, pp: int) -> None:
@@ -53,6 +59,17 @@ def main(out: str) -> None:
         torch.manual_seed(0)
         first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
         save_both_formats(megatron_gpt(cfg, pre_process=first, post_process=last), os.path.join(out, "pp2"), 0, rank, 2)
+    with megatron_on_cpu(tp=2, pp=1):
+        from megatron.core import dist_checkpointing
+
+        gpt = megatron_gpt(cfg)
+        export = os.path.join(out, "export", "release")
+        gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), export), strict=False)
+        logits = megatron_logits(gpt, TOKENS).detach().contiguous()  # this rank's half of the vocabulary
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, logits)
+        if rank == 0:
+            torch.save(torch.cat(parts, dim=-1), os.path.join(out, "tp2_export_logits.pt"))
     print(f"rank {rank} ok")
 
 

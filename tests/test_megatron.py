@@ -235,10 +235,13 @@ def test_megatrons_own_tp2_and_pp2_saves_import_to_one_model(tmp_path, torchrun)
     """megatron-core on 2 ranks saves a model split over TP 2, and one split over PP 2, each as
     torch_dist and legacy (``tests/megatron_worker.py``). The legacy import, which merges the
     column- and row-parallel slices, the SwiGLU halves and the stages' layer numbers itself, gives
-    the params of megatron-core's own torch_dist save of the same ranks; and the TP 2 model (drawn
-    whole, then sliced) has the logits of megatron-core's unsplit model of the same seed."""
-    torchrun(2, ["-m", "tests.megatron_worker", str(tmp_path)])
+    the params of megatron-core's own torch_dist save of the same ranks; the TP 2 model (drawn
+    whole, then sliced) has the logits of megatron-core's unsplit model of the same seed; and
+    lmfunc's export, loaded by megatron-core at TP 2, gives lmfunc's logits."""
     cfg = split_config()
+    exported = _params(cfg, seed=7)
+    save_megatron(exported, cfg, str(tmp_path / "export"))
+    torchrun(2, ["-m", "tests.megatron_worker", str(tmp_path)])
     for split in ("tp2", "pp2"):
         merged, stored = (load_megatron(str(tmp_path / f"{split}_{kind}"), cfg) for kind in ("legacy", "dist"))
         assert merged.format == "torch" and merged.iteration == 5 and stored.format == "torch_dist"
@@ -251,3 +254,7 @@ def test_megatrons_own_tp2_and_pp2_saves_import_to_one_model(tmp_path, torchrun)
         expected = megatron_logits(megatron_gpt(cfg), tokens).detach()
     tp2 = load_megatron(str(tmp_path / "tp2_legacy"), cfg).params
     assert (_logits(tp2, cfg, tokens) - expected).abs().max() < 1e-5
+    from tests.megatron_worker import TOKENS
+
+    tp2_logits = torch.load(tmp_path / "tp2_export_logits.pt")
+    assert (tp2_logits - _logits(exported, cfg, TOKENS)).abs().max() < 1e-5
