@@ -153,6 +153,18 @@ def test_capacity_drops_what_megatrons_policies_drop():
         assert float(out[dropped].abs().sum()) == 0
 
 
+def test_among_pairs_of_equal_weight_a_full_expert_keeps_the_earliest_tokens():
+    """The one intended difference from Megatron's "probs" policy, which ranks ties with
+    ``torch.topk`` (unspecified among equal values): lmfunc keeps the earliest tokens, so a run's
+    drops are the same on every machine."""
+    routing = router.Routing(torch.full((6, 1), 0.5), torch.tensor([[0], [1], [0], [0], [1], [0]]))
+    positions = moe.queue_positions(routing, 2, "probs").reshape(-1).tolist()
+    assert positions == [0, 0, 1, 2, 1, 3]
+    x = torch.randn(6, 8, dtype=torch.float64)
+    _, keep = moe.experts_with_capacity(x, routing, *expert_weights(num_experts=2), capacity=2, policy="probs")
+    assert keep.reshape(-1).nonzero().reshape(-1).tolist() == [0, 1, 2, 4]
+
+
 def test_with_room_for_every_pair_the_capacity_path_is_the_dropless_one():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(12, 8, generator=g)

@@ -50,7 +50,9 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_facto
 
 def queue_positions(routing: Routing, num_experts: int, policy: DropPolicy) -> torch.Tensor:
     """Each (token, expert) pair's place ``[T, k]`` (int64, from 0) in its expert's queue: by
-    descending weight ("probs") or by token order ("position")."""
+    descending weight ("probs") or by token order ("position"). Pairs of equal weight queue by
+    token order (a stable sort), so a full expert keeps the earliest of them; Megatron orders them
+    with ``torch.topk`` over equal values, whose choice among ties is unspecified."""
     experts = routing.experts.reshape(-1)
     pairs = torch.arange(experts.numel(), device=experts.device)
     if policy == "probs":
