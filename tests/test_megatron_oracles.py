@@ -1,6 +1,6 @@
 """Megatron's own pieces that lmfunc reproduces, checked against megatron-core itself (not against
-formulas copied from it): the learning-rate schedules of ``OptimizerParamScheduler`` and the
-loss scale of ``DynamicGradScaler``."""
+formulas copied from it): the learning-rate schedules of ``OptimizerParamScheduler``, the loss
+scale of ``DynamicGradScaler``, and the MoE router's choice, weights and losses (``moe_utils``)."""
 
 import random
 
@@ -72,3 +72,40 @@ def test_loss_scale_follows_megatron_cores_dynamic_grad_scaler(monkeypatch):
         assert float(ours.scale) == float(theirs.scale), step
         seen.add(float(ours.scale))
     assert cfg.min_scale in seen and max(seen) > cfg.initial_scale  # the run backed off to the floor and grew
+
+
+@pytest.mark.parametrize("topk, score_function, pre_softmax, bias, groups, scaling", [
+    (2, "softmax", False, False, None, None),
+    (2, "softmax", True, False, None, None),
+    (1, "softmax", False, False, None, None),
+    (3, "sigmoid", False, True, None, 2.5),
+    (2, "sigmoid", False, True, (4, 2), None),
+    (4, "softmax", True, False, (4, 2), 1.5),
+])
+def test_routing_and_router_losses_equal_megatron_cores(topk, score_function, pre_softmax, bias, groups, scaling):
+    """On random logits of 64 tokens over 16 experts: the chosen experts and their weights equal
+    ``topk_routing_with_score_function``'s map and probabilities, and the load-balancing and z
+    losses equal ``switch_load_balancing_loss_func`` and ``z_loss_func``."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from lmfunc.model import router
+
+    g = torch.Generator().manual_seed(topk * 7 + len(score_function))
+    logits = torch.randn(64, 16, generator=g)
+    expert_bias = 0.1 * torch.randn(16, generator=g) if bias else None
+    num_groups, group_topk = groups or (None, None)
+    probs, routing_map = moe_utils.topk_routing_with_score_function(
+        logits, topk, use_pre_softmax=pre_softmax, num_groups=num_groups, group_topk=group_topk,
+        scaling_factor=scaling, score_function=score_function, expert_bias=expert_bias)
+    ours = router.route(logits, topk, score_function, pre_softmax, expert_bias, num_groups, group_topk, scaling)
+    our_map = torch.zeros(64, 16, dtype=torch.bool).scatter(1, ours.experts, True)
+    our_probs = torch.zeros(64, 16).scatter(1, ours.experts, ours.weights)
+    assert torch.equal(our_map, routing_map)
+    assert torch.allclose(our_probs, probs, rtol=1e-6, atol=1e-7)
+
+    scores, chosen = router.aux_loss_scores(logits, topk, score_function)
+    their_map, their_scores = moe_utils.compute_routing_scores_for_aux_loss(logits, topk, score_function)
+    assert torch.equal(chosen, their_map) and torch.allclose(scores, their_scores, rtol=1e-6, atol=1e-7)
+    theirs = moe_utils.switch_load_balancing_loss_func(their_scores, their_map.sum(dim=0), 64, topk, 16, 0.01)
+    assert float(router.load_balancing_loss(scores, chosen, topk, 0.01)) == pytest.approx(float(theirs), rel=1e-6)
+    assert float(router.router_z_loss(logits, 1e-3)) == pytest.approx(float(moe_utils.z_loss_func(logits, 1e-3)), rel=1e-6)
