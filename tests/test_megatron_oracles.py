@@ -1,6 +1,7 @@
 """Megatron's own pieces that lmfunc reproduces, checked against megatron-core itself (not against
 formulas copied from it): the learning-rate schedules of ``OptimizerParamScheduler``, the loss
-scale of ``DynamicGradScaler``, and the MoE router's choice, weights and losses (``moe_utils``)."""
+scale of ``DynamicGradScaler``, the MoE router's choice, weights and losses (``moe_utils``), and
+``GPTDataset``'s indices and samples over an lmfunc-written ``.bin``/``.idx``."""
 
 import random
 
@@ -109,3 +110,48 @@ def test_routing_and_router_losses_equal_megatron_cores(topk, score_function, pr
     theirs = moe_utils.switch_load_balancing_loss_func(their_scores, their_map.sum(dim=0), 64, topk, 16, 0.01)
     assert float(router.load_balancing_loss(scores, chosen, topk, 0.01)) == pytest.approx(float(theirs), rel=1e-6)
     assert float(router.router_z_loss(logits, 1e-3)) == pytest.approx(float(moe_utils.z_loss_func(logits, 1e-3)), rel=1e-6)
+
+
+class _Tokenizer:
+    """What megatron-core's ``GPTDataset`` reads of a tokenizer (its ids for end of document and
+    padding) when no masks are built from them."""
+
+    eod, pad, vocab_size = 0, -1, 1000
+    unique_identifiers = {"class": "test"}
+
+
+@pytest.mark.parametrize("num_samples", [37, 500, 470])
+def test_gpt_dataset_indices_and_samples_equal_megatron_cores(tmp_path, num_samples):
+    """A ``.bin``/``.idx`` written by lmfunc, read by megatron-core's ``IndexedDataset`` and
+    ``GPTDataset``: the document, sample and shuffle indices and every sample equal lmfunc's, for one
+    epoch, for 13 epochs, and for 13 whose last is shuffled separately (470 samples: 7 of the last
+    epoch's 38)."""
+    import numpy as np
+    from megatron.core.datasets.gpt_dataset import GPTDataset as TheirGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as TheirIndexedDataset
+    from megatron.core.datasets.utils import Split
+
+    from lmfunc.data.gpt_dataset import GPTDataset
+    from lmfunc.data.indexed import IndexedDataset, IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "docs")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    draw = np.random.RandomState(0)
+    for _ in range(40):
+        builder.add_item(draw.randint(1, 1000, size=draw.randint(1, 60)))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    seq = 31
+    ids = np.arange(40, dtype=np.int32)
+    ours = GPTDataset(IndexedDataset(prefix), ids, num_samples, seq, seed=1234)
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=seq, split="1,0,0", tokenizer=_Tokenizer(),
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              path_to_cache=None)
+    theirs = TheirGPTDataset(TheirIndexedDataset(prefix), prefix, ids, num_samples, Split.train, config)
+    assert np.array_equal(ours.document_index, theirs.document_index)
+    assert np.array_equal(ours.sample_index, theirs.sample_index)
+    assert np.array_equal(ours.shuffle_index, theirs.shuffle_index)
+    assert len(ours) == len(theirs) >= num_samples
+    for i in range(len(ours)):
+        assert np.array_equal(ours[i], theirs[i]["tokens"].numpy().tolist() + [theirs[i]["labels"][-1].item()]), i
