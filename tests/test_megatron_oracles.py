@@ -1,7 +1,9 @@
 """Megatron's own pieces that lmfunc reproduces, checked against megatron-core itself (not against
 formulas copied from it): the learning-rate schedules of ``OptimizerParamScheduler``, the loss
 scale of ``DynamicGradScaler``, the MoE router's choice, weights and losses (``moe_utils``), and
-``GPTDataset``'s indices and samples over an lmfunc-written ``.bin``/``.idx``."""
+``GPTDataset``'s indices and samples over an lmfunc-written ``.bin``/``.idx``, and the blend's
+indices and per-dataset sizes. (Megatron's batch samplers live in Megatron-LM's training package,
+not in megatron-core: they have no oracle here.)"""
 
 import random
 
@@ -155,3 +157,23 @@ def test_gpt_dataset_indices_and_samples_equal_megatron_cores(tmp_path, num_samp
     assert len(ours) == len(theirs) >= num_samples
     for i in range(len(ours)):
         assert np.array_equal(ours[i], theirs[i]["tokens"].numpy().tolist() + [theirs[i]["labels"][-1].item()]), i
+
+
+@pytest.mark.parametrize("weights, size", [([0.3, 0.7], 1000), ([0.5, 0.2, 0.25, 0.05], 4321), ([1.0], 17)])
+def test_blending_indices_and_sizes_equal_megatron_cores(weights, size):
+    """The blend's dataset and per-dataset sample indices equal megatron-core's C++
+    ``build_blending_indices`` (what its ``BlendedDataset`` builds), and the samples asked of each
+    dataset equal its builder's split (``_get_size_per_split_per_dataset``, 0.5% surplus)."""
+    import numpy as np
+    from megatron.core.datasets import helpers
+    from megatron.core.datasets.blended_megatron_dataset_builder import _get_size_per_split_per_dataset
+
+    from lmfunc.data.blend import blending_indices, component_sizes
+
+    dataset_index, sample_index = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+    helpers.build_blending_indices(dataset_index, sample_index, np.array(weights, dtype=np.float64), len(weights),
+                                   size, False)
+    ours = blending_indices(weights, size)
+    assert np.array_equal(ours[0], dataset_index) and np.array_equal(ours[1], sample_index)
+    requested, _ = component_sizes(weights, size)
+    assert requested == [per_split[0] for per_split in _get_size_per_split_per_dataset(weights, [size], surplus=0.005)]
