@@ -154,8 +154,8 @@ def test_stored_megatron_arguments_must_describe_the_model(tmp_path):
 
 
 def test_bad_checkpoints_get_one_line_that_names_the_problem(tmp_path):
-    """A truncated shard, a save without metadata, a shape the model does not have, an
-    architecture not mapped, and a legacy pickle that needs a class beyond plain data."""
+    """A truncated shard, a save without ``common.pt``, one without metadata, a shape the model does
+    not have, an architecture not mapped, and a legacy pickle that needs a class beyond plain data."""
     cfg = _config("llama")
     directory = write_torch_dist_model(to_megatron_layers(_params(cfg), cfg), str(tmp_path / "save"), 3)
     shard = next(p for p in sorted(os.listdir(directory)) if p.endswith(".distcp"))
@@ -163,6 +163,9 @@ def test_bad_checkpoints_get_one_line_that_names_the_problem(tmp_path):
         f.truncate(100)
     with pytest.raises(ConfigError, match=r"a shard file is missing or truncated"):
         load_megatron(str(tmp_path / "save"), cfg)
+    os.remove(os.path.join(directory, COMMON))
+    with pytest.raises(ConfigError, match=r"common.pt is missing; megatron-core writes it with every torch_dist save"):
+        load_megatron(directory, cfg)
     os.remove(os.path.join(directory, "metadata.json"))
     with pytest.raises(ConfigError, match=r"holds neither metadata.json \(torch_dist\) nor mp_rank_\*/"):
         load_megatron(directory, cfg)

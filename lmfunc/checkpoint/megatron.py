@@ -121,13 +121,16 @@ def read_torch_dist_model(directory: str) -> dict[str, torch.Tensor]:
 
 
 def read_common(directory: str) -> dict:
-    """``common.pt`` of a ``torch_dist`` save ({} when absent), loaded without running pickled code:
-    Megatron's ``args`` Namespace is allowed, nothing else beyond plain data."""
+    """``common.pt`` of a ``torch_dist`` save, loaded without running pickled code: Megatron's
+    ``args`` Namespace is allowed, nothing else beyond plain data. megatron-core writes it with
+    every save, before ``metadata.json``, so a save without it is incomplete and is refused."""
     import argparse
 
     path = os.path.join(directory, COMMON)
     if not os.path.exists(path):
-        return {}
+        raise ConfigError(f"checkpoint.load_megatron: {path} is missing; megatron-core writes it with every torch_dist "
+                          "save, so this save is incomplete or was copied without it. Copy the whole iter_NNNNNNN/ "
+                          "directory, or load an earlier save")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -184,6 +187,11 @@ def _sharded_object(value: object) -> list:
 
 
 def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message; for DCP's ``CheckpointException``, of the first rank's
+    underlying error."""
+    if isinstance(err, CheckpointException) and getattr(err, "failures", None):
+        failure = next(iter(err.failures.values()))  # (exception, its traceback's frames)
+        err = failure[0] if isinstance(failure, tuple) else failure
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
 
@@ -213,7 +221,8 @@ def load_megatron(path: str, cfg: ModelConfig) -> MegatronCheckpoint:
     directory = iteration_dir(path)
     kind = checkpoint_format(directory)
     if kind == "torch_dist":
-        tensors, other = read_torch_dist_model(directory), read_common(directory)
+        other = read_common(directory)
+        tensors = read_torch_dist_model(directory)
         source = f"{directory}/{COMMON}"
     else:
         tensors, other = read_legacy_model(directory, swiglu=cfg.activation == "swiglu")
