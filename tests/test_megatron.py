@@ -261,3 +261,47 @@ def test_megatrons_own_tp2_and_pp2_saves_import_to_one_model(tmp_path, torchrun)
 
     tp2_logits = torch.load(tmp_path / "tp2_export_logits.pt")
     assert (tp2_logits - _logits(exported, cfg, TOKENS)).abs().max() < 1e-5
+
+
+def test_a_megatron_training_save_continues_at_its_iteration_with_megatrons_lr(tmp_path, capsys):
+    """A Megatron training save (``iter_0000030``, ``args`` with its schedule and 120 consumed
+    samples): the lmfunc run starts at step 31 with the data at sample 120, and its first update's
+    lr is megatron-core's ``OptimizerParamScheduler`` at iteration 30 (its steps counted in samples,
+    as Megatron's training loop counts them). Another lr is refused with the flag to pass;
+    ``--checkpoint.finetune`` takes the weights alone and starts at step 1."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from lmfunc.train.__main__ import main as train_main
+    from lmfunc.train.log import read_log
+
+    cfg = model_preset("tiny", vocab_size=384)
+    args = argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        group_query_attention=True, num_query_groups=cfg.query_groups, swiglu=True, add_bias_linear=False,
+        untie_embeddings_and_output_weights=False, padded_vocab_size=384, position_embedding_type="rope",
+        normalization="RMSNorm", lr=3e-3, min_lr=3e-4, lr_decay_style="cosine", lr_warmup_iters=5,
+        lr_decay_iters=None, lr_warmup_fraction=None, lr_warmup_init=0.0, train_iters=32, global_batch_size=4,
+        consumed_train_samples=120, train_samples=None)
+    write_torch_dist_model(to_megatron_layers(_params(cfg), cfg), str(tmp_path / "megatron"), 30,
+                           {"args": args, "iteration": 30, "checkpoint_version": 3.0})
+    common = ["--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "32", "--run.train-iters", "32",
+              "--optim.min-lr", "3e-4", "--optim.lr-warmup-iters", "5", "--run.eval-iters", "0", "--run.no-compile",
+              "--log.no-progress-bar", "--log.log-interval", "1", "--run.micro-batch-size", "2",
+              "--run.global-batch-size", "4", "--run.sample-tokens", "0", "--log.peak-flops", "1e11",
+              "--run.out-dir", str(tmp_path), "--checkpoint.load-megatron", str(tmp_path / "megatron")]
+    with pytest.raises(SystemExit):
+        train_main(common + ["--run.name", "other_lr", "--optim.lr", "1e-3"])
+    assert "lr is 0.003 there, 0.001 here. To continue it, pass --optim.lr 0.003" in capsys.readouterr().err
+    train_main(common + ["--run.name", "finetuned", "--optim.lr", "1e-3", "--checkpoint.finetune"])
+    assert [r["step"] for r in read_log(str(tmp_path / "finetuned" / "log.jsonl")) if r["kind"] == "train"][0] == 1
+    train_main(common + ["--run.name", "continued", "--optim.lr", "3e-3"])
+    records = read_log(str(tmp_path / "continued" / "log.jsonl"))
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [31, 32]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=5 * 4,
+                                        lr_decay_steps=32 * 4, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                        wd_incr_steps=32 * 4, wd_incr_style="constant")
+    scheduler.step(30 * 4)
+    assert train[0]["lr"] == pytest.approx(scheduler.get_lr(optimizer.param_groups[0]), rel=1e-6)
+    assert records[-1]["kind"] == "end" and records[-1]["consumed_samples"] == 120 + 2 * 4

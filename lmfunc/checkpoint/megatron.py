@@ -28,7 +28,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmfunc.checkpoint.megatron_args import flag, megatron_arguments, mismatches, model_settings
 from lmfunc.checkpoint.megatron_layout import EXTRA_STATE_MODULES, from_megatron_layers, to_megatron_layers
-from lmfunc.checkpoint.megatron_legacy import read_legacy_model
+from lmfunc.checkpoint.megatron_legacy import FILE as LEGACY_FILE
+from lmfunc.checkpoint.megatron_legacy import load_rank_file, read_legacy_model
 from lmfunc.config.model import ConfigError, ModelConfig
 from lmfunc.tree import PyTree
 
@@ -239,6 +240,21 @@ def load_megatron(path: str, cfg: ModelConfig) -> MegatronCheckpoint:
     params = from_megatron_layers(tensors, cfg, directory)
     iteration = other.get("iteration")
     return MegatronCheckpoint(params, directory, kind, int(iteration) if iteration is not None else None, args)
+
+
+def megatron_run_state(path: str) -> tuple[Optional[int], Optional[Namespace], str]:
+    """(Megatron's iteration, its ``args``, the file they came from) of the save ``path`` names
+    (``iteration_dir``); None for what the save does not hold. A ``release`` save has no
+    iteration."""
+    directory = iteration_dir(path)
+    if checkpoint_format(directory) == "torch_dist":
+        other, source = read_common(directory), os.path.join(directory, COMMON)
+    else:
+        source = os.path.join(directory, sorted(e for e in os.listdir(directory) if e.startswith("mp_rank_"))[0], LEGACY_FILE)
+        other = {key: value for key, value in load_rank_file(source).items() if key != "model"}
+    iteration = other.get("iteration")
+    release = os.path.basename(os.path.normpath(directory)) == "release"
+    return (None if release or iteration is None else int(iteration)), other.get("args"), source
 
 
 ARGUMENTS_FILE = "megatron_args.txt"

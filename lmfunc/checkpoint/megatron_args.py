@@ -127,3 +127,28 @@ def megatron_arguments(cfg: ModelConfig) -> list[str]:
     if not cfg.tie_embeddings:
         arguments.append("--untie-embeddings-and-output-weights")
     return arguments
+
+
+def schedule_mismatches(args: Namespace, settings: dict[str, Any]) -> dict[str, tuple[Any, Any, str]]:
+    """Where lmfunc's lr schedule and batch (``settings``: lr, min_lr, lr_decay_style,
+    lr_warmup_init, the resolved warmup and decay in iterations, global_batch_size) differ from
+    the ones Megatron's ``args`` ran with: ``{name: (Megatron's, lmfunc's, the lmfunc flag that
+    sets it to Megatron's)}``. Megatron's decay defaults to its ``train_iters``; a
+    ``--lr-warmup-fraction`` is resolved as Megatron does."""
+    decay = _get(args, "lr_decay_iters") or _get(args, "train_iters")
+    warmup = _get(args, "lr_warmup_iters", 0)
+    if _get(args, "lr_warmup_fraction") is not None and decay is not None:
+        warmup = int(args.lr_warmup_fraction * decay)
+    theirs = {"lr": _get(args, "lr"), "min_lr": _get(args, "min_lr", 0.0), "lr_decay_style": _get(args, "lr_decay_style"),
+              "lr_warmup_init": _get(args, "lr_warmup_init", 0.0), "lr_warmup_iters": warmup, "lr_decay_iters": decay,
+              "global_batch_size": _get(args, "global_batch_size")}
+    options = {"global_batch_size": "--run.global-batch-size"}
+    out = {}
+    for name, value in theirs.items():
+        if value is None or name not in settings:
+            continue
+        ours = settings[name]
+        same = float(ours) == float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else ours == value
+        if not same:
+            out[name] = (value, ours, f"{options.get(name, '--optim.' + name.replace('_', '-'))} {value}")
+    return out

@@ -172,9 +172,11 @@ class CheckpointConfig:
     """Start from Hugging Face Llama (or, for an MoE model, Qwen3-MoE) weights in this directory
     (config.json + *.safetensors)."""
     load_megatron: Optional[str] = None
-    """Start from the weights of a Megatron-LM checkpoint: a save directory (Megatron's --save;
-    its newest save) or one iter_NNNNNNN/, torch_dist or legacy format, any TP/PP layout. The
-    model settings must match those stored in it (the error lists the flags to pass)."""
+    """Start from a Megatron-LM checkpoint: a save directory (Megatron's --save; its newest save)
+    or one iter_NNNNNNN/, torch_dist or legacy format, any TP/PP layout. The model settings must
+    match those stored in it (the error lists the flags to pass). A training save also continues
+    Megatron's run at its iteration, consumed samples and lr (fresh Adam moments); with
+    checkpoint.finetune only the weights are taken."""
     exit_signal_handler: bool = True
     """On SIGTERM or SIGINT every rank finishes the current step, saves a checkpoint and exits 0."""
     save_weights: bool = True

@@ -115,8 +115,9 @@ def validate_checkpoint(ck: CheckpointConfig) -> None:
                  "checkpoint.load_step")
     _require(ck.load_hf is None or ck.load_megatron is None,
              "checkpoint.load_hf and checkpoint.load_megatron both give the initial weights: pass one of them")
-    _require(not ck.finetune or ck.load is not None or ck.load_step is not None,
-             "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory")
+    _require(not ck.finetune or ck.load is not None or ck.load_step is not None or ck.load_megatron is not None,
+             "checkpoint.finetune loads weights from an earlier run: set checkpoint.load to its checkpoint directory "
+             "(or checkpoint.load_megatron to a Megatron save)")
 
 
 def validate_pipeline(model: ModelConfig, parallel: ParallelConfig, run: RunConfig, world_size: int) -> None:

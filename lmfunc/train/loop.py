@@ -39,6 +39,7 @@ from lmfunc.train.log import RunLogger, WandbSettings, router_layer_values, run_
 from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
+from lmfunc.train.from_megatron import megatron_start
 from lmfunc.train.params import initial_params
 from lmfunc.train.pipeline_run import gather_pipeline_params, initial_rank_params, pipeline_rank, pipeline_steps
 from lmfunc.train.profiling import StepProfiler
@@ -195,8 +196,10 @@ class _Run:
         loss_scale = cfg.precision.loss_scaling()
         dtype = compute_dtype(cfg.precision.compute_dtype)
         self.checkpoints = RunCheckpoints(cfg, self.paths.save_dir, self.logger)
-        restored = restore_state(cfg, TrainState.create(params, tx, seed=run.seed, loss_scale=loss_scale),
-                                 self.paths.load_dir, self.paths.load_step, warn=self.logger.echo,
+        fresh = TrainState.create(params, tx, seed=run.seed, loss_scale=loss_scale)
+        if self.paths.load_step is None:  # a Megatron run continues where it stopped (when it is one)
+            fresh = megatron_start(cfg, fresh, self.logger.echo)
+        restored = restore_state(cfg, fresh, self.paths.load_dir, self.paths.load_step, warn=self.logger.echo,
                                  part=pipe is not None)
         self.state = restored.state
         self.checkpoints.note_damaged(self.paths.load_dir, restored.damaged)

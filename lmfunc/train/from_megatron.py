@@ -1,0 +1,91 @@
+"""Continuing a Megatron-LM run: the position its checkpoint records, applied to lmfunc's state.
+
+``--checkpoint.load-megatron`` brings the weights over (``lmfunc.checkpoint.megatron``). When the
+save is a training save (``iter_NNNNNNN/`` holding Megatron's ``iteration`` and its ``args``), the
+run also continues where Megatron stopped: the step counter at Megatron's iteration, the data at its
+``consumed_train_samples``, and the lr schedule at that iteration, so the first lmfunc update uses
+the learning rate Megatron's ``OptimizerParamScheduler`` would give its next one. For that, the
+schedule and batch settings must be Megatron's (else ``ConfigError`` lists the flags). The Adam
+moments start fresh (as Megatron's ``--no-load-optim``: its optimizer formats are not read yet), and so
+does the loss scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from lmfunc.config.model import ConfigError
+from lmfunc.config.sections import schedule_lengths
+from lmfunc.config.train import TrainConfig
+from lmfunc.optim.transforms import ScaleByScheduleState
+from lmfunc.train.state import TrainState
+from lmfunc.tree import tree_map
+
+
+class MegatronPosition(NamedTuple):
+    iteration: int
+    consumed_samples: int
+
+
+def megatron_position(cfg: TrainConfig) -> Optional[MegatronPosition]:
+    """Where the Megatron run of ``checkpoint.load_megatron`` stopped, or None when the save records
+    no training position (a ``release`` save, one of megatron-core alone) or ``checkpoint.finetune``
+    asks for the weights alone. Raises ``ConfigError``
+    when lmfunc's schedule or batch settings differ from the run's (naming the flags to pass) or
+    the run was sample-based."""
+    from lmfunc.checkpoint.megatron import megatron_run_state
+    from lmfunc.checkpoint.megatron_args import schedule_mismatches
+
+    path = cfg.checkpoint.load_megatron
+    if path is None or cfg.checkpoint.finetune:  # finetune: the weights alone, from step 0 (Megatron's --finetune)
+        return None
+    iteration, args, source = megatron_run_state(path)
+    if iteration is None or args is None or not iteration:
+        return None
+    if getattr(args, "train_samples", None) is not None:
+        raise ConfigError(f"{source}: the Megatron run was sample-based (--train-samples); lmfunc continues "
+                          "iteration-based runs only. Pass --checkpoint.load-megatron with a release save to take the "
+                          "weights alone")
+    if cfg.run.train_iters is None:
+        raise ConfigError(f"{source}: continuing Megatron's iteration-based run needs run.train_iters (Megatron's "
+                          f"--train-iters was {getattr(args, 'train_iters', None)})")
+    lengths = schedule_lengths(cfg.run, cfg.optim)
+    ours = {"lr": cfg.optim.lr, "min_lr": cfg.optim.min_lr, "lr_decay_style": cfg.optim.lr_decay_style,
+            "lr_warmup_init": cfg.optim.lr_warmup_init, "lr_warmup_iters": lengths.warmup,
+            "lr_decay_iters": lengths.decay, "global_batch_size": cfg.run.global_batch_size}
+    differing = schedule_mismatches(args, ours)
+    if differing:
+        raise ConfigError(
+            f"{source}: the Megatron run stopped at iteration {iteration} with another lr schedule or batch than this "
+            "run's: " + "; ".join(f"{name} is {theirs} there, {mine} here" for name, (theirs, mine, _) in differing.items())
+            + ". To continue it, pass " + " ".join(flag for _, _, flag in differing.values()))
+    consumed = getattr(args, "consumed_train_samples", None)
+    return MegatronPosition(iteration, int(consumed if consumed is not None else iteration * cfg.run.global_batch_size))
+
+
+def continued_state(state: TrainState, position: MegatronPosition) -> TrainState:
+    """``state`` (freshly created) at Megatron's position: step and consumed samples, and every lr
+    schedule's update count at the iteration. Adam's own count stays 0, as its moments are fresh."""
+    def at_iteration(node):
+        if isinstance(node, ScaleByScheduleState):
+            return ScaleByScheduleState(torch.full_like(node.count, position.iteration))
+        return node
+
+    opt_state = tree_map(at_iteration, state.opt_state, is_leaf=lambda node: isinstance(node, ScaleByScheduleState))
+    return dataclasses.replace(state, opt_state=opt_state,
+                               step=torch.full_like(state.step, position.iteration),
+                               consumed_samples=torch.full_like(state.consumed_samples, position.consumed_samples))
+
+
+def megatron_start(cfg: TrainConfig, state: TrainState, echo: Callable[[str], None]) -> TrainState:
+    """``state`` continued at the position of ``checkpoint.load_megatron`` (said through
+    ``echo``), or unchanged when the run starts from no Megatron training save."""
+    position = megatron_position(cfg)
+    if position is None:
+        return state
+    echo(f"continuing the Megatron run of {cfg.checkpoint.load_megatron} at iteration {position.iteration} "
+         f"({position.consumed_samples} samples consumed; fresh Adam moments and loss scale)")
+    return continued_state(state, position)
