@@ -189,7 +189,8 @@ def from_megatron_layers(tensors: dict[str, torch.Tensor], cfg: ModelConfig, sou
         "mlp.b_gate": ("mlp.linear_fc1.bias", lambda t: tuple(t.chunk(2)), ("mlp.b_gate", "mlp.b_up")),
     }
     split_cache: dict[str, dict[str, torch.Tensor]] = {}
-    shapes = dict(flatten_with_paths(param_shapes(_unstacked(cfg))))
+    like_tree = param_shapes(_unstacked(cfg))
+    shapes = dict(flatten_with_paths(like_tree))
 
     def fill(name: str, like: torch.Tensor) -> torch.Tensor:
         for ours, theirs, transposed in _GLOBAL:
@@ -209,7 +210,7 @@ def from_megatron_layers(tensors: dict[str, torch.Tensor], cfg: ModelConfig, sou
                 return split_cache[key][leaf].clone(memory_format=torch.contiguous_format)  # its own storage
         raise ConfigError(f"{source}: lmfunc has no Megatron name for its parameter {name}")
 
-    params = tree_map_with_path(fill, param_shapes(_unstacked(cfg)))
+    params = tree_map_with_path(fill, like_tree)
     return stack_layers(params) if cfg.scan_layers else params
 
 
