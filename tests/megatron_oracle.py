@@ -4,7 +4,12 @@
 megatron-core targets CUDA; three calls need the CPU here, and ``megatron_on_cpu`` patches them for
 the duration: RoPE moves its frequencies to ``torch.cuda.current_device()``, attention dropout
 enters the CUDA RNG tracker's ``fork()``, and the checkpoint writer calls
-``torch.cuda.synchronize()``. Only tests use this module; lmfunc never imports megatron-core.
+``torch.cuda.synchronize()``. Two more take Transformer Engine for present when it is only
+partly importable: MLA checks ``isinstance(..., TELinear)`` and the router's gating calls TE's
+GEMM; both are told TE is absent. MLA's local layer spec also builds a ``DotProductAttention``
+with arguments it does not take (megatron-core 0.16), so ``megatron_gpt`` gives MLA layers
+``CoreAttention``: parameter-free causal attention at MLA's softmax scale. Only tests use this
+module; lmfunc never imports megatron-core.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ def megatron_on_cpu(tp: int = 1, pp: int = 1) -> Iterator[None]:
     """megatron-core's model-parallel state on a one-rank gloo group (created here unless one
     exists) with the CUDA-only calls patched (module docstring); everything undone on exit."""
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer import dot_product_attention
+    from megatron.core.transformer import dot_product_attention, multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
 
     created = not dist.is_initialized()
     if created:
@@ -45,6 +51,8 @@ def megatron_on_cpu(tp: int = 1, pp: int = 1) -> Iterator[None]:
     patches.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *args, **kwargs: _NoCudaRngTracker())
     patches.setattr(dot_product_attention.tensor_parallel, "get_cuda_rng_tracker",
                     lambda *args, **kwargs: _NoCudaRngTracker())
+    patches.setattr(multi_latent_attention, "HAVE_TE", False)
+    patches.setattr(moe_utils, "te_general_gemm", None, raising=False)
     parallel_state.initialize_model_parallel(tp, pp)
     try:
         yield
@@ -70,34 +78,69 @@ def _close_checkpoint_writer() -> None:
         gc.collect()
 
 
+class CoreAttention(torch.nn.Module):
+    """Causal softmax attention ``[S, B, n, d]`` -> ``[S, B, n d_v]`` at the given scale, for MLA
+    layers (module docstring); parameter-free, so every weight still is megatron-core's."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None, **kwargs):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        seq, batch = query.shape[:2]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(t.permute(1, 2, 0, 3) for t in (query, key, value)), is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
 def megatron_gpt(cfg: ModelConfig, pre_process: bool = True, post_process: bool = True):
     """megatron-core's ``GPTModel`` (local layer spec, fp32, CPU, no dropout) with ``cfg``'s
-    architecture; call inside ``megatron_on_cpu``. ``pre_process``/``post_process``: whether this
-    pipeline stage holds the embedding / the output layer."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
+    architecture, MoE, MLA and MTP layers included; call inside ``megatron_on_cpu``.
+    ``pre_process``/``post_process``: whether this pipeline stage holds the embedding / the output layer."""
     from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    from lmfunc.checkpoint.megatron_args import _MOE_FIELDS
 
     swiglu = cfg.activation == "swiglu"
-    config = TransformerConfig(
+    settings = dict(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(), pipeline_dtype=torch.float32,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.query_groups, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.ffn_size,
         gated_linear_unit=swiglu, activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
         normalization=cfg.normalization, layernorm_epsilon=cfg.norm_epsilon, add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_bias_linear, qk_layernorm=cfg.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False)
-    spec = get_gpt_layer_local_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm)
+        add_qkv_bias=cfg.add_bias_linear, qk_layernorm=cfg.qk_layernorm or cfg.multi_latent_attention,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, mtp_num_layers=cfg.mtp_num_layers or None,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor)
+    if cfg.num_experts is not None:
+        settings |= dict(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.expert_ffn_size,
+                         moe_layer_freq=1 if all(cfg.moe_layers) else list(map(int, cfg.moe_layers)),
+                         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                         **{name: getattr(cfg, name) for name in _MOE_FIELDS})
+    config_class = TransformerConfig
+    if cfg.multi_latent_attention:
+        config_class = MLATransformerConfig
+        settings |= dict(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                         qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+                         v_head_dim=cfg.v_head_dim, rope_type="rope", rotary_base=int(cfg.rotary_base))
+    config = config_class(**settings)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=cfg.normalization)
+    if cfg.multi_latent_attention:
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = CoreAttention
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if cfg.mtp_num_layers else None
     return GPTModel(config, spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                     position_embedding_type="rope" if cfg.position_embedding_type == "rope" else "learned_absolute",
                     rotary_percent=cfg.rotary_percent, rotary_base=int(cfg.rotary_base),
                     share_embeddings_and_output_weights=cfg.tie_embeddings, pre_process=pre_process,
-                    post_process=post_process)
+                    post_process=post_process, mtp_block_spec=mtp)
 
 
 def megatron_logits(gpt, tokens: torch.Tensor) -> torch.Tensor:
@@ -106,3 +149,12 @@ def megatron_logits(gpt, tokens: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(seq).expand_as(tokens)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
     return gpt(tokens, positions, mask)
+
+
+def megatron_token_losses(gpt, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``gpt``'s per-token cross entropy ``[B, S]`` of ``labels`` after ``tokens`` ``[B, S]`` (causal
+    mask, positions 0..S-1); a model with MTP layers needs labels to run forward at all."""
+    seq = tokens.shape[1]
+    positions = torch.arange(seq).expand_as(tokens)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    return gpt(tokens, positions, mask, labels=labels)

@@ -7,6 +7,7 @@ input gets one line that names the problem."""
 import argparse
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -18,17 +19,25 @@ from lmfunc.checkpoint.megatron import (
 from lmfunc.checkpoint.megatron_layout import TE_NORM_NAMES, from_megatron_layers, to_megatron_layers
 from lmfunc.checkpoint.megatron_legacy import FILE as LEGACY_FILE
 from lmfunc.config.model import ConfigError, model_preset
+from lmfunc.loss import lm_loss
 from lmfunc.tree import flatten_with_paths, tree_map, tree_unflatten_as
-from tests.megatron_oracle import megatron_gpt, megatron_logits, megatron_on_cpu
+from tests.helpers import MLA_SETTINGS, MOE_SETTINGS
+from tests.megatron_oracle import megatron_gpt, megatron_logits, megatron_on_cpu, megatron_token_losses
 
-DENSE = {
+ARCHITECTURES = {
     "llama": dict(num_query_groups=2),
     "untied-mqa-qknorm": dict(tie_embeddings=False, num_query_groups=1, qk_layernorm=True),
     "gpt2": dict(normalization="LayerNorm", position_embedding_type="learned_absolute", add_bias_linear=True,
                  activation="gelu", num_query_groups=4),
+    "deepseek": dict(MOE_SETTINGS, **MLA_SETTINGS, mtp_num_layers=1, tie_embeddings=False),
+    "all-moe-mla-no-q-lora": dict(MOE_SETTINGS, moe_layer_freq=1, moe_router_score_function="softmax",
+                                  moe_router_enable_expert_bias=False, moe_shared_expert_intermediate_size=None,
+                                  **dict(MLA_SETTINGS, q_lora_rank=None)),
 }
-"""The dense architectures lmfunc trains: GQA/MQA/MHA, SwiGLU/GELU, RoPE/learned positions,
-RMSNorm/LayerNorm, QK-norm, biases, tied and untied embeddings."""
+"""The architectures lmfunc trains: dense GQA/MQA/MHA, SwiGLU/GELU, RoPE/learned positions,
+RMSNorm/LayerNorm, QK-norm, biases, tied and untied embeddings; DeepSeek-V3's kind (a dense then an
+MoE layer with sigmoid routing, the expert bias, a shared expert and both router losses, MLA with a
+query latent, an MTP layer); every layer MoE with softmax routing and MLA without a query latent."""
 
 
 def split_config():
@@ -39,7 +48,7 @@ def split_config():
 
 
 def _config(name: str):
-    return model_preset("tiny", vocab_size=128, num_layers=2, **DENSE[name])
+    return model_preset("tiny", vocab_size=128, num_layers=2, **ARCHITECTURES[name])
 
 
 def _params(cfg, seed: int = 0):
@@ -53,32 +62,48 @@ def _logits(params, cfg, tokens):
     return model.logits(params, model.forward(params, tokens, cfg), cfg)
 
 
-@pytest.mark.parametrize("name", list(DENSE))
-def test_megatrons_model_on_mapped_weights_gives_lmfuncs_logits_and_gradients(name):
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_megatrons_model_on_mapped_weights_gives_lmfuncs_losses_and_gradients(name):
     """lmfunc's params in Megatron's layout (local spec) make megatron-core's ``GPTModel`` compute
-    the same logits (1e-5), and its backward the same gradient for every tensor, mapped by the same
-    layout: a transposed square matrix or a swapped gate and up projection would show here."""
+    the same per-token losses (1e-5) and MTP loss, and its backward of the same objective (the mean
+    loss, with MTP's and the routers' losses attached as Megatron attaches them) the same gradient
+    for every tensor, mapped by the same layout: a transposed square matrix, a swapped gate and up
+    projection or MLA's RoPE dims in the wrong order would show here."""
     cfg = _config(name)
     params = _params(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    weights = torch.randn(2, 16, cfg.vocab_size, generator=torch.Generator().manual_seed(2))
-    leaves = [leaf.clone().requires_grad_() for _, leaf in flatten_with_paths(params)]
-    ours = _logits(tree_unflatten_as(params, leaves), cfg, tokens)
-    (ours * weights).sum().backward()
-    our_grads = tree_unflatten_as(params, [leaf.grad for leaf in leaves])
+    g = torch.Generator().manual_seed(1)
+    batch = {"tokens": torch.randint(0, cfg.vocab_size, (2, 16), generator=g),
+             "labels": torch.randint(0, cfg.vocab_size, (2, 16), generator=g),
+             "loss_mask": (torch.rand(2, 16, generator=g) > 0.2).float()}
+    leaves = [leaf.clone().requires_grad_(leaf.is_floating_point()) for _, leaf in flatten_with_paths(params)]
+    out = lm_loss(tree_unflatten_as(params, leaves), batch, cfg, grad_scale=torch.tensor(1.0),
+                  calculate_per_token_loss=False)
+    (out.loss_sum / out.num_tokens).backward()
+    our_grads = tree_unflatten_as(params, [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves])
+    ours = model.logits(params, model.forward(params, batch["tokens"], cfg), cfg)
     with megatron_on_cpu():
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        MTPLossLoggingHelper.tracker.clear()
         gpt = megatron_gpt(cfg)
         result = gpt.load_state_dict(to_megatron_layers(params, cfg, spelling="local"), strict=False)
         assert not [k for k in result.missing_keys if not k.endswith("_extra_state")] and not result.unexpected_keys
-        theirs = megatron_logits(gpt, tokens)
-        (theirs * weights).sum().backward()
-        their_grads = {name: p.grad for name, p in gpt.named_parameters()}
-    assert (ours - theirs).abs().max() < 1e-5
+        causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
+        per_token = gpt(batch["tokens"], torch.arange(16).expand(2, 16), causal, labels=batch["labels"],
+                        loss_mask=batch["loss_mask"])
+        ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+        their_grads = {key: p.grad for key, p in gpt.named_parameters()}
+        mtp_losses = MTPLossLoggingHelper.tracker.get("values")
+    expected = torch.nn.functional.cross_entropy(ours.flatten(0, 1), batch["labels"].flatten(), reduction="none")
+    assert (per_token.detach().flatten() - expected).abs().max() < 1e-5
+    if cfg.mtp_num_layers:
+        assert torch.allclose(mtp_losses, (out.mtp_loss_sums / out.mtp_num_tokens).detach(), rtol=1e-5)
     mapped = to_megatron_layers(our_grads, cfg, spelling="local")
-    assert mapped.keys() == their_grads.keys()
-    for key, grad in mapped.items():
+    buffers = {key for key in mapped if key.endswith("router.expert_bias")}  # updated without a gradient
+    assert mapped.keys() - buffers == their_grads.keys()
+    for key in their_grads:
         scale = float(their_grads[key].abs().max())
-        assert scale > 0 and float((grad - their_grads[key]).abs().max()) <= 1e-5 * max(scale, 1.0), key
+        assert scale > 0 and float((mapped[key] - their_grads[key]).abs().max()) <= 1e-5 * max(scale, 1.0), key
 
 
 def test_both_spellings_and_a_scan_model_map_back_exactly():
@@ -100,23 +125,31 @@ def test_both_spellings_and_a_scan_model_map_back_exactly():
     assert to_megatron_layers(stacked, scan).keys() == te.keys()
 
 
-def test_a_torch_dist_save_of_megatron_core_imports_and_lmfuncs_export_loads_back(tmp_path):
+@pytest.mark.parametrize("name", ["llama", "deepseek", "all-moe-mla-no-q-lora"])
+def test_a_torch_dist_save_of_megatron_core_imports_and_lmfuncs_export_loads_back(name, tmp_path):
     """megatron-core's ``dist_checkpointing.save`` of its model imports to params with its logits;
     ``save_megatron`` of other params loads into a fresh megatron-core model through
-    ``dist_checkpointing.load`` (the ``_extra_state`` objects included), with lmfunc's logits."""
+    ``dist_checkpointing.load`` (the ``_extra_state`` objects included), with lmfunc's logits: layers
+    stacked (dense, every layer MoE) or one by one (dense and MoE layers mixed), experts stacked."""
     from megatron.core import dist_checkpointing
 
-    cfg = _config("llama")
-    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    cfg = _config(name)
+    g = torch.Generator().manual_seed(3)
+    tokens, labels = torch.randint(0, cfg.vocab_size, (2, 2, 16), generator=g)
+
+    def token_losses(params):
+        logits = _logits(params, cfg, tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 16)
+
     saved = tmp_path / "megatron_save"
     saved.mkdir()
     with megatron_on_cpu():
         gpt = megatron_gpt(cfg)
         dist_checkpointing.save(gpt.sharded_state_dict(), str(saved))
-        expected = megatron_logits(gpt, tokens).detach()
+        expected = megatron_token_losses(gpt, tokens, labels).detach()
         imported = load_megatron(str(saved), cfg)
         assert imported.format == "torch_dist" and imported.iteration is None and imported.args is None
-        assert (_logits(imported.params, cfg, tokens) - expected).abs().max() < 1e-5
+        assert (token_losses(imported.params) - expected).abs().max() < 1e-5
 
         params = _params(cfg, seed=5)
         out = tmp_path / "export"
@@ -124,9 +157,11 @@ def test_a_torch_dist_save_of_megatron_core_imports_and_lmfuncs_export_loads_bac
         assert directory == str(out / "release") and (out / "latest_checkpointed_iteration.txt").read_text() == "release"
         fresh = megatron_gpt(cfg)
         fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), directory), strict=False)
-        assert (megatron_logits(fresh, tokens) - _logits(params, cfg, tokens)).abs().max() < 1e-5
+        assert (megatron_token_losses(fresh, tokens, labels) - token_losses(params)).abs().max() < 1e-5
     arguments = (out / ARGUMENTS_FILE).read_text()
-    assert "--swiglu" in arguments and "--num-query-groups 2" in arguments and "--disable-bias-linear" in arguments
+    assert "--swiglu" in arguments and "--disable-bias-linear" in arguments
+    assert ("--num-query-groups 2" in arguments) == (name == "llama")
+    assert ("--moe-layer-freq '[0,1]'" in arguments) == (name == "deepseek")
 
 
 def test_stored_megatron_arguments_must_describe_the_model(tmp_path):
@@ -153,6 +188,75 @@ def test_stored_megatron_arguments_must_describe_the_model(tmp_path):
         load_megatron(str(tmp_path), cfg)
 
 
+def _parsed(arguments: list[str]) -> argparse.Namespace:
+    """Megatron-LM's ``args`` of ``megatron_arguments``' flags, as its parser names them (dashes to
+    underscores; a flag without a value is True; a quoted list is a list; numbers are numbers)."""
+    import ast
+    import shlex
+
+    words = shlex.split(" ".join(a for a in arguments if not a.startswith("#")))
+    args = argparse.Namespace(padded_vocab_size=128)
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else True
+            if isinstance(value, str):
+                try:
+                    value = ast.literal_eval(value)
+                except (ValueError, SyntaxError):
+                    pass
+            setattr(args, word[2:].replace("-", "_"), value)
+    args.untie_embeddings_and_output_weights = "--untie-embeddings-and-output-weights" in words
+    args.add_bias_linear = "--disable-bias-linear" not in words
+    args.swiglu = "--swiglu" in words
+    args.group_query_attention = "--group-query-attention" in words
+    return args
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_printed_megatron_arguments_describe_the_model_and_unmapped_settings_are_refused(name):
+    """``megatron_arguments(cfg)``, read back as Megatron's ``args``, describe ``cfg`` exactly (MoE,
+    MLA and MTP included); Megatron settings lmfunc lacks are refused by name."""
+    from lmfunc.checkpoint.megatron_args import megatron_arguments, mismatches, model_settings
+
+    cfg = _config(name)
+    args = _parsed(megatron_arguments(cfg))
+    assert mismatches(model_settings(args, "test"), cfg) == {}
+    if cfg.multi_latent_attention:
+        with pytest.raises(ConfigError, match=r"rope_type='yarn': lmfunc's MLA rotates with plain RoPE"):
+            model_settings(argparse.Namespace(**{**vars(args), "rope_type": "yarn"}), "test")
+    if cfg.num_experts:
+        with pytest.raises(ConfigError, match=r"moe_shared_expert_gate=True: a gated shared expert"):
+            model_settings(argparse.Namespace(**{**vars(args), "moe_shared_expert_gate": True}), "test")
+        with pytest.raises(ConfigError, match=r"'sinkhorn': lmfunc has 'aux_loss', 'seq_aux_loss' and 'none'"):
+            model_settings(argparse.Namespace(**{**vars(args), "moe_router_load_balancing_type": "sinkhorn"}), "test")
+        pattern = [int(moe) for moe in cfg.moe_layers]  # the same layers, spelled as a list
+        for freq, differs in ((pattern, False), ([1 - moe for moe in pattern], True)):
+            other = model_settings(argparse.Namespace(**{**vars(args), "moe_layer_freq": freq}), "test")
+            assert ("moe_layer_freq" in mismatches(other, cfg)) == differs, freq
+
+
+def test_a_legacy_moe_save_imports_from_each_expert_spelling(tmp_path):
+    """A legacy save's module state dict holds the routed experts one by one: the sequential
+    experts' ``local_experts.<e>.linear_fc1.weight``, TE's grouped ``linear_fc1.weight<e>`` or the
+    legacy grouped GEMM's ``weight1``/``weight2``; each imports to the same params."""
+    cfg = _config("deepseek")
+    params = _params(cfg)
+    local = to_megatron_layers(params, cfg, spelling="local")
+    te_grouped = {re.sub(r"local_experts\.(\d+)\.(linear_fc[12])\.weight", r"\2.weight\1", k): v for k, v in local.items()}
+    grouped = {k: v for k, v in local.items() if "local_experts" not in k}
+    stacked = to_megatron_layers(params, cfg, spelling="te")
+    for prefix in ("decoder.layers.1.mlp.experts.", "mtp.layers.0.transformer_layer.mlp.experts."):
+        fc1, fc2 = stacked[prefix + "experts.linear_fc1.weight"], stacked[prefix + "experts.linear_fc2.weight"]
+        grouped[prefix + "weight1"] = fc1.transpose(1, 2).contiguous().view(cfg.hidden_size, -1)  # [E, h, 2f] as [h, E 2f]
+        grouped[prefix + "weight2"] = fc2.transpose(1, 2).contiguous().view(-1, cfg.hidden_size)  # [E, f, h] as [E f, h]
+    for spelled in (local, te_grouped, grouped):
+        back = from_megatron_layers(spelled, cfg, "test")
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(back), flatten_with_paths(params)))
+    del local["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    with pytest.raises(ConfigError, match=r"holds experts \[0, 1, 2\] of .*expert-parallel save's other ranks"):
+        from_megatron_layers(local, cfg, "test")
+
+
 def test_bad_checkpoints_get_one_line_that_names_the_problem(tmp_path):
     """A truncated shard, a save without ``common.pt``, one without metadata, a shape the model does
     not have, an architecture not mapped, and a legacy pickle that needs a class beyond plain data."""
@@ -174,8 +278,16 @@ def test_bad_checkpoints_get_one_line_that_names_the_problem(tmp_path):
     bigger = dataclasses.replace(cfg, ffn_hidden_size=2 * cfg.ffn_size)
     with pytest.raises(ConfigError, match=r"decoder.layers.0.mlp.linear_fc1.weight has shape \(256, 64\).*implies \(512, 64\)"):
         load_megatron(str(wide), bigger)
-    with pytest.raises(ConfigError, match=r"does not map Megatron's layout of mixture-of-experts layers"):
-        load_megatron(str(wide), model_preset("tiny", num_experts=4))
+    moe = model_preset("tiny", vocab_size=128, num_layers=2, num_query_groups=2, num_experts=4)
+    with pytest.raises(ConfigError, match=r"no tensor decoder.layers.0.mlp.router.weight .*--model.num-experts"):
+        load_megatron(str(wide), moe)
+    deepseek = _config("deepseek")
+    save_megatron(_params(deepseek), deepseek, str(tmp_path / "deepseek"))
+    with pytest.raises(ConfigError, match=r"holds 19 tensor\(s\) the model config has no place for, first "
+                                          r"mtp.layers.0.*--model.mtp-num-layers"):
+        load_megatron(str(tmp_path / "deepseek"), dataclasses.replace(deepseek, mtp_num_layers=0))
+    with pytest.raises(ConfigError, match=r"no layout for MoE with GELU"):
+        load_megatron(str(wide), model_preset("tiny", num_experts=4, activation="gelu"))
     legacy = tmp_path / "legacy" / "iter_0000001" / "mp_rank_00"
     legacy.mkdir(parents=True)
     torch.save({"model": {}, "args": _Unlisted()}, legacy / LEGACY_FILE)

@@ -6,9 +6,12 @@ and one directory per save, ``iter_NNNNNNN/`` (or ``release/``). A ``torch_dist`
 ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), ``common.pt`` (the state that is
 not sharded: Megatron's training loop puts its ``args`` and ``iteration`` there) and the files of
 ``torch.distributed.checkpoint``. Every tensor is stored whole (its global shape), whatever TP/PP/EP
-layout saved it, under its ``sharded_state_dict`` key: the layers are stacked along a leading axis,
-``decoder.layers.<name>`` ``[L, ...]``, and named in Transformer Engine's spelling
-(``lmfunc.checkpoint.megatron_layout``). So one process reads any layout's save by key.
+layout saved it, under its ``sharded_state_dict`` key, named in Transformer Engine's spelling
+(``lmfunc.checkpoint.megatron_layout``). The layers are stacked along a leading axis,
+``decoder.layers.<name>`` ``[L, ...]``, when they are all alike; a model that mixes dense and MoE
+layers (``--moe-layer-freq`` a pattern or above 1) keeps them one by one, ``decoder.layers.<i>.<name>``.
+Routed experts are stacked along the next axis (``[L, E, ...]`` or ``[E, ...]``). So one process
+reads any layout's save by key.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmfunc.checkpoint.megatron_args import flag, megatron_arguments, mismatches, model_settings
-from lmfunc.checkpoint.megatron_layout import EXTRA_STATE_MODULES, from_megatron_layers, to_megatron_layers
+from lmfunc.checkpoint.megatron_layout import EXPERTS, from_megatron_layers, local_spec_aliases, to_megatron_layers
 from lmfunc.checkpoint.megatron_legacy import FILE as LEGACY_FILE
 from lmfunc.checkpoint.megatron_legacy import load_rank_file, read_legacy_model
 from lmfunc.config.model import ConfigError, ModelConfig
@@ -41,7 +44,7 @@ TORCH_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version
                        "common_backend_version": 1}
 """``metadata.json`` as megatron-core writes it for a ``torch_dist`` save."""
 LAYERS_PREFIX = "decoder.layers."
-MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 """Keys of the model's tensors in a ``torch_dist`` save (optimizer and RNG state have others)."""
 
 
@@ -93,7 +96,8 @@ def checkpoint_format(directory: str) -> str:
 
 def read_torch_dist_model(directory: str) -> dict[str, torch.Tensor]:
     """The model tensors of a ``torch_dist`` save, whole and with the layers unstacked:
-    ``decoder.layers.<i>.<name>`` for each stacked ``decoder.layers.<name>`` ``[L, ...]``."""
+    ``decoder.layers.<i>.<name>`` for each stacked ``decoder.layers.<name>`` ``[L, ...]`` (a save
+    that keeps its layers one by one already names them so)."""
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except (OSError, EOFError, RuntimeError, ValueError) as err:
@@ -112,8 +116,8 @@ def read_torch_dist_model(directory: str) -> dict[str, torch.Tensor]:
                           "is missing or truncated") from None
     out: dict[str, torch.Tensor] = {}
     for key, tensor in wanted.items():
-        if key.startswith(LAYERS_PREFIX):
-            rest = key.removeprefix(LAYERS_PREFIX)
+        rest = key.removeprefix(LAYERS_PREFIX)
+        if key.startswith(LAYERS_PREFIX) and not rest.split(".", 1)[0].isdigit():
             for i, layer in enumerate(tensor.unbind(0)):
                 out[f"{LAYERS_PREFIX}{i}.{rest}"] = layer
         else:
@@ -142,24 +146,24 @@ def read_common(directory: str) -> dict:
 
 
 def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteration: Optional[int] = None,
-                           common: Optional[dict] = None, extra_state_modules: tuple[str, ...] = ()) -> str:
+                           common: Optional[dict] = None, stack_layers: bool = True) -> str:
     """Write Megatron-named, per-layer ``tensors`` (``decoder.layers.<i>.*``) as a ``torch_dist``
     save under the save directory ``path``: ``iter_NNNNNNN/`` (``release/`` when ``iteration`` is
-    None) with the layers stacked, ``metadata.json``, ``common.pt`` and the tracker file. Returns
-    the save's directory.
+    None) with ``metadata.json``, ``common.pt`` and the tracker file. Returns the save's directory.
+    ``stack_layers``: store the layers stacked ``[L, ...]`` (megatron-core's layout when they are all
+    alike), else one by one (its layout for a mix of dense and MoE layers).
 
-    ``extra_state_modules``: a layer's modules (``self_attention.linear_qkv``, ...) whose
-    ``_extra_state`` megatron-core expects in the save. Megatron stores a linear layer's extra state
-    (Transformer Engine's FP8 metadata; None without TE) as one pickled object per layer,
-    ``decoder.layers.<module>._extra_state/shard_<i>_<L>``, and refuses a save without it; each is
-    written as None, the state of a layer that has not run in FP8."""
+    Megatron stores each linear module's extra state (Transformer Engine's FP8 metadata; None
+    without TE) as pickled objects beside its weight, one per layer and expert,
+    ``<module>._extra_state/shard_<offsets>_<sizes>``, and refuses a save without them; each is
+    written here as None, the state of a module that has not run in FP8 (``_extra_states``)."""
     name = "release" if iteration is None else f"iter_{iteration:07d}"
     directory = os.path.join(path, name)
     os.makedirs(directory, exist_ok=True)
     stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
     flat: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+        match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key) if stack_layers else None
         if match:
             stacked.setdefault(match.group(2), []).append((int(match.group(1)), tensor))
         else:
@@ -169,15 +173,35 @@ def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteratio
         layers.sort(key=lambda item: item[0])
         flat[LAYERS_PREFIX + rest] = torch.stack([tensor for _, tensor in layers])
         num_layers = len(layers)
-    objects = {f"{LAYERS_PREFIX}{module}._extra_state/shard_{i}_{num_layers}": _sharded_object(None)
-               for module in extra_state_modules for i in range(num_layers)}
-    dcp.save({**flat, **objects}, checkpoint_id=directory, no_dist=True)
+    dcp.save({**flat, **_extra_states(flat, num_layers)}, checkpoint_id=directory, no_dist=True)
     torch.save(common or {}, os.path.join(directory, COMMON))
     with open(os.path.join(directory, METADATA), "w") as f:
         json.dump(TORCH_DIST_METADATA, f)
     with open(os.path.join(path, TRACKER), "w") as f:
         f.write("release" if iteration is None else str(iteration))
     return directory
+
+
+def _extra_states(flat: dict[str, torch.Tensor], num_layers: int) -> dict[str, list]:
+    """The ``_extra_state`` objects of the linear modules (``linear_*``, ``eh_proj``) among the
+    saved ``flat`` tensors, keyed as megatron-core's ``ShardedObject``s: the offsets and sizes of
+    the stacked layer axis (``num_layers``) and the expert axis, ``shard_0_1`` when there is neither."""
+    out = {}
+    for key, tensor in flat.items():
+        match = re.fullmatch(r"(.*\.(?:linear_\w+|eh_proj))\.weight", key)
+        if not match:
+            continue
+        axes = [num_layers] if key.startswith(LAYERS_PREFIX) and not key[len(LAYERS_PREFIX):][0].isdigit() else []
+        if EXPERTS in key:
+            axes.append(tensor.shape[len(axes)])
+        offsets = [()]
+        for size in axes:
+            offsets = [(*offset, i) for offset in offsets for i in range(size)]
+        for offset in offsets:
+            index, sizes = (offset, axes) if axes else ((0,), [1])
+            shard = f"shard_{'.'.join(map(str, index))}_{'.'.join(map(str, sizes))}"
+            out[f"{match.group(1)}._extra_state/{shard}"] = _sharded_object(None)
+    return out
 
 
 def _sharded_object(value: object) -> list:
@@ -226,7 +250,7 @@ def load_megatron(path: str, cfg: ModelConfig) -> MegatronCheckpoint:
         tensors = read_torch_dist_model(directory)
         source = f"{directory}/{COMMON}"
     else:
-        tensors, other = read_legacy_model(directory, swiglu=cfg.activation == "swiglu")
+        tensors, other = read_legacy_model(directory, cfg)
         source = f"{directory}/mp_rank_00*/model_optim_rng.pt"
     args = other.get("args")
     if args is not None:
@@ -269,8 +293,12 @@ def save_megatron(params: PyTree, cfg: ModelConfig, path: str, iteration: Option
     megatron-core's ``dist_checkpointing.load`` reads it into such a model at any TP/PP layout.
     Returns the save's directory."""
     tensors = {name: tensor.to(dtype or tensor.dtype) for name, tensor in to_megatron_layers(params, cfg).items()}
+    tensors |= local_spec_aliases(tensors, cfg)
     common = {"checkpoint_version": 3.0} | ({"iteration": iteration} if iteration is not None else {})
-    directory = write_torch_dist_model(tensors, path, iteration, common, extra_state_modules=EXTRA_STATE_MODULES)
+    # megatron-core stacks the layers unless --moe-layer-freq is a pattern (megatron_arguments
+    # writes one for any model that mixes dense and MoE layers).
+    directory = write_torch_dist_model(tensors, path, iteration, common,
+                                       stack_layers=cfg.num_experts is None or all(cfg.moe_layers))
     with open(os.path.join(path, ARGUMENTS_FILE), "w") as f:
         f.write(" \\\n".join(argument for argument in megatron_arguments(cfg) if not argument.startswith("#")) + "\n")
         f.write("".join(f"{argument}\n" for argument in megatron_arguments(cfg) if argument.startswith("#")))

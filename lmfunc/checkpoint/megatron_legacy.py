@@ -13,7 +13,9 @@ Tensor parallelism splits (megatron-core's ``ColumnParallelLinear``/``RowParalle
   and the output layer (vocabulary-parallel), and these layers' biases;
 - along the input columns: ``linear_proj`` and ``linear_fc2`` (their biases are whole on every rank);
 - nothing else (norms, position embeddings): every rank holds all of it.
-Expert-parallel saves (``mp_rank_TT_PPP_EEE``) are refused: mixture-of-experts layers are not mapped.
+Mixture-of-experts, MLA and MTP models are read from saves without tensor or expert parallelism
+(their pipeline stages are merged as above); a save that splits them over TP or EP ranks
+(``mp_rank_TT_PPP_EEE``) is refused, with the conversion to ``torch_dist`` that reads at any layout.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lmfunc.config.model import ConfigError
+from lmfunc.config.model import ConfigError, ModelConfig
 
 FILE = "model_optim_rng.pt"
 _ROWS = (".self_attention.linear_qkv.weight", ".self_attention.linear_qkv.bias", ".mlp.linear_fc1.weight",
@@ -60,14 +62,18 @@ def _rank_dirs(directory: str) -> dict[tuple[int, int], str]:
         if not match:
             continue
         if match.group(3):
-            raise ConfigError(f"checkpoint.load_megatron: {directory}/{entry} is an expert-parallel save; importing "
-                              "mixture-of-experts layers from Megatron is not mapped yet")
+            raise ConfigError(f"checkpoint.load_megatron: {directory}/{entry} is an expert-parallel save in the legacy "
+                              f"format, which lmfunc does not merge; {_CONVERT}")
         found[(int(match.group(1)), int(match.group(2) or 0))] = os.path.join(directory, entry, FILE)
     tps, pps = {tp for tp, _ in found}, {pp for _, pp in found}
     if not found or found.keys() != {(tp, pp) for tp in range(len(tps)) for pp in range(len(pps))}:
         raise ConfigError(f"checkpoint.load_megatron: {directory} does not hold one mp_rank_TT[_PPP]/ per tensor- and "
                           f"pipeline-parallel rank (found {sorted(os.listdir(directory))})")
     return found
+
+
+_CONVERT = ("convert it to torch_dist (Megatron: --ckpt-convert-format torch_dist), which lmfunc reads at any "
+            "layout")
 
 
 def _merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
@@ -83,12 +89,16 @@ def _merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tens
     return shards[0]
 
 
-def read_legacy_model(directory: str, swiglu: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_legacy_model(directory: str, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model tensors of a legacy save (layers renumbered across pipeline stages) and the
-    first rank file's other entries (``args``, ``iteration``, ...). ``swiglu``: whether
-    ``linear_fc1`` holds a gate and an up projection (needed to merge its tensor-parallel slices)."""
+    first rank file's other entries (``args``, ``iteration``, ...) for a model of ``cfg``'s
+    architecture (with SwiGLU ``linear_fc1``'s tensor-parallel slices hold a gate and an up part)."""
     ranks = _rank_dirs(directory)
     tp_size, pp_size = max(tp for tp, _ in ranks) + 1, max(pp for _, pp in ranks) + 1
+    swiglu = cfg.activation == "swiglu"
+    if tp_size > 1 and (cfg.num_experts or cfg.multi_latent_attention or cfg.mtp_num_layers):
+        raise ConfigError(f"checkpoint.load_megatron: {directory} splits an MoE, MLA or MTP model over {tp_size} "
+                          f"tensor-parallel ranks in the legacy format, which lmfunc does not merge; {_CONVERT}")
     merged: dict[str, torch.Tensor] = {}
     first: dict[str, Any] = {}
     offset = 0
