@@ -15,7 +15,7 @@ module; lmfunc never imports megatron-core.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 import torch
@@ -151,10 +151,56 @@ def megatron_logits(gpt, tokens: torch.Tensor) -> torch.Tensor:
     return gpt(tokens, positions, mask)
 
 
-def megatron_token_losses(gpt, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def megatron_token_losses(gpt, tokens: torch.Tensor, labels: torch.Tensor,
+                          loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``gpt``'s per-token cross entropy ``[B, S]`` of ``labels`` after ``tokens`` ``[B, S]`` (causal
-    mask, positions 0..S-1); a model with MTP layers needs labels to run forward at all."""
+    mask, positions 0..S-1); a model with MTP layers needs labels to run forward at all, and takes
+    ``loss_mask`` for its MTP losses (None: every token)."""
     seq = tokens.shape[1]
     positions = torch.arange(seq).expand_as(tokens)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
-    return gpt(tokens, positions, mask, labels=labels)
+    return gpt(tokens, positions, mask, labels=labels, loss_mask=loss_mask)
+
+
+@contextlib.contextmanager
+def megatron_optimizer_on_cpu() -> Iterator[None]:
+    """megatron-core's plain (not distributed) optimizer on the CPU: its modules make a few small
+    tensors with ``device="cuda"`` (the loss-scale placeholder, the grad-norm buffers), which are made
+    on the CPU instead while this holds. Clipping asserts CUDA gradients: build the optimizer with
+    ``clip_grad=0``."""
+    import types
+
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def on_cpu(make):
+        return lambda *args, device=None, **kwargs: make(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    shim = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch) if not name.startswith("__")})
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(shim, name, on_cpu(getattr(torch, name)))
+    patches = pytest.MonkeyPatch()
+    for module in (utils, clip_grads, optimizer):
+        patches.setattr(module, "torch", shim)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+def megatron_adam(gpt, lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
+    """``(ddp, optimizer)``: megatron-core's DDP wrapper of ``gpt`` and its Adam (fp32, no clipping,
+    the plain optimizer), inside ``megatron_on_cpu`` and ``megatron_optimizer_on_cpu``. A step:
+    ``ddp.zero_grad_buffer()``, the backward, ``ddp.finish_grad_sync()``, ``optimizer.step()``.
+    Each parameter group's weight decay is ``weight_decay`` times its ``wd_mult`` (0 for norms and
+    biases), as Megatron-LM's ``OptimizerParamScheduler`` sets it before every step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(), gpt)
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
+                             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0)
+    adam = get_megatron_optimizer(config, [ddp])
+    for group in adam.param_groups:
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+    return ddp, adam

@@ -36,11 +36,10 @@ def test_loss_scale_study_quick(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive
 def test_mtp_study_quick(tmp_path):
-    """The study's invariants, MTP losses below the untrained loss and each MTP depth slower than
-    none, hold. ``exclusive``: the second one compares tokens/s of runs made one after another, and a
-    compiling worker beside the first run once made it the slower (CI, two workers)."""
+    """The study's invariants hold: each depth logs its MTP losses, below the untrained loss. (Its
+    timing invariant, each MTP depth slower than none, is the full study's: it compares runs made
+    one after another, which a test beside another worker's compile cannot.)"""
     runs = run_quick("mtp", tmp_path)["runs"]
     assert set(runs["depth2_lambda0.3"]["mtp_losses"]) == {"mtp_1_loss", "mtp_2_loss"}
     assert (tmp_path / "mtp.png").exists()
@@ -83,13 +82,12 @@ def test_compile_depth_study_quick(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.exclusive
 def test_scaling_study_quick(tmp_path):
     """Bucketed, FSDP and plain TP issue fewer collectives per step than per leaf (the quick mode
     leaves out the runs whose counts tests/test_parallel.py asserts exactly: ``QUICK_LEAVES_OUT``),
-    each run's profile was read, and the box's bound lies below the side-by-side pair's efficiency.
-    ``exclusive``: its timings are the study's numbers, and with a compiling worker beside its
-    2- and 4-rank runs it ran past its 15-minute limit."""
+    each run's profile was read, and the box's bound lies below the side-by-side pair's efficiency
+    (it adds gloo's cost to the pair's step). No assertion rests on how fast a run was, so it runs
+    beside other tests."""
     from experiments.scaling.__main__ import QUICK_LEAVES_OUT
 
     summary = run_quick("scaling", tmp_path)
@@ -98,11 +96,8 @@ def test_scaling_study_quick(tmp_path):
     for layout in ("dp_shard2", "tp2"):
         bucketed, per_leaf = rows[layout]["collectives"], rows[f"{layout}_per_leaf"]["collectives"]
         assert sum(bucketed.values()) < sum(per_leaf.values()), (layout, bucketed, per_leaf)
-    for layout in ("dp_shard2", "hsdp4"):
-        assert rows[layout]["collectives"]["all_gather_into_tensor"] == 4  # tiny: embed, 2 blocks, head
-    assert rows["hsdp4"]["ranks"] == 4 and rows["single_quad"]["vs_side_by_side"] == 1
-    hsdp = rows["hsdp4"]["mib"]
-    assert 0 < hsdp["all_reduce"] < 0.6 * hsdp["all_to_all_single"]  # the replicas reduce shards, not whole gradients
+    assert rows["dp_shard2"]["collectives"]["all_gather_into_tensor"] == 4  # tiny: embed, 2 blocks, head
+    assert rows["single_pair"]["vs_side_by_side"] == 1 and "single_quad" not in rows
     assert all(row["step_ms"] > 0 for name, row in rows.items() if not name.startswith("single_"))
     assert rows["dp_shard2"]["collectives"]["all_to_all_single"] == 5  # gloo's reduce-scatters; the tied embedding's twice
     assert 0 < bound["gloo_fsdp_ms"] and 0 < bound["bound"] < bound["pair_efficiency"]

@@ -406,7 +406,9 @@ def test_a_megatron_training_save_continues_at_its_iteration_with_megatrons_lr(t
     assert "lr is 0.003 there, 0.001 here. To continue it, pass --optim.lr 0.003" in capsys.readouterr().err
     train_main(common + ["--run.name", "finetuned", "--optim.lr", "1e-3", "--checkpoint.finetune"])
     assert [r["step"] for r in read_log(str(tmp_path / "finetuned" / "log.jsonl")) if r["kind"] == "train"][0] == 1
+    capsys.readouterr()
     train_main(common + ["--run.name", "continued", "--optim.lr", "3e-3"])
+    assert "at iteration 30 (120 samples consumed; fresh Adam moments: the save holds no optimizer state" in capsys.readouterr().out
     records = read_log(str(tmp_path / "continued" / "log.jsonl"))
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [31, 32]
@@ -417,3 +419,61 @@ def test_a_megatron_training_save_continues_at_its_iteration_with_megatrons_lr(t
     scheduler.step(30 * 4)
     assert train[0]["lr"] == pytest.approx(scheduler.get_lr(optimizer.param_groups[0]), rel=1e-6)
     assert records[-1]["kind"] == "end" and records[-1]["consumed_samples"] == 120 + 2 * 4
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek"])
+def test_a_megatron_save_with_adam_state_continues_with_megatrons_next_update(name, tmp_path):
+    """megatron-core trains two steps with its Adam and saves model and optimizer (torch_dist, the
+    optimizer's model-space moments); lmfunc loads both and takes step 3 on the same batch: its
+    params equal Megatron's after its own step 3 (1e-6). With fresh moments instead the same step
+    lands elsewhere, so the moments and the step count are what makes them equal."""
+    from megatron.core import dist_checkpointing
+
+    from lmfunc.checkpoint.megatron_optimizer import load_megatron_adam
+    from lmfunc.optim import adamw
+    from lmfunc.train import TrainState, make_train_step
+    from lmfunc.train.from_megatron import with_megatron_adam
+    from tests.megatron_oracle import megatron_adam, megatron_optimizer_on_cpu
+
+    cfg = _config(name)
+    if cfg.num_experts:  # Megatron-LM's finalize_model_grads updates the expert bias; this hand-made step does not
+        cfg = dataclasses.replace(cfg, moe_router_enable_expert_bias=False)
+    hyper = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(7)
+    batches = [{"tokens": torch.randint(0, cfg.vocab_size, (1, 2, 16), generator=g),
+                "labels": torch.randint(0, cfg.vocab_size, (1, 2, 16), generator=g),
+                "loss_mask": (torch.rand(1, 2, 16, generator=g) > 0.2).float()} for _ in range(3)]
+    with megatron_on_cpu(), megatron_optimizer_on_cpu():
+        gpt = megatron_gpt(cfg)
+        ddp, optimizer = megatron_adam(gpt, **hyper)
+
+        def megatron_step(batch):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            mask = batch["loss_mask"][0]
+            per_token = megatron_token_losses(ddp, batch["tokens"][0], batch["labels"][0], mask)
+            ((per_token * mask).sum() / mask.sum()).backward()
+            ddp.finish_grad_sync()
+            assert optimizer.step()[0]
+
+        for batch in batches[:2]:
+            megatron_step(batch)
+        save = tmp_path / "megatron" / "iter_0000002"
+        save.mkdir(parents=True)
+        model = gpt.sharded_state_dict()
+        dist_checkpointing.save({"model": model, "optimizer": optimizer.sharded_state_dict(model), "iteration": 2,
+                                 "checkpoint_version": 3.0}, str(save))
+        (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("2")
+        megatron_step(batches[2])
+        expected = {key: value.detach().clone() for key, value in gpt.state_dict().items() if isinstance(value, torch.Tensor)}
+    adam = load_megatron_adam(str(tmp_path / "megatron"), cfg)
+    assert adam.read and adam.count == 2 and adam.format == "model-space moments"
+    tx = adamw(hyper["lr"], b1=hyper["betas"][0], b2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"])
+    step = make_train_step(cfg, tx, clip_grad=0.0, compile=False, calculate_per_token_loss=False)  # Megatron's default
+    fresh = TrainState.create(load_megatron(str(tmp_path / "megatron"), cfg).params, tx)
+    errors = {}
+    for label, state in (("continued", with_megatron_adam(fresh, adam)), ("fresh moments", fresh)):
+        state, _ = step(state, batches[2])
+        ours = to_megatron_layers(state.params, cfg, spelling="local")
+        errors[label] = max(float((ours[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in ours)
+    assert errors["continued"] < 1e-6 and errors["fresh moments"] > 1e-4, errors

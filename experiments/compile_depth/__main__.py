@@ -2,7 +2,7 @@
 
 Each case is the train-step benchmark's compiled lmfunc step (``experiments.bench``, variant
 func-compiled: AdamW, clipping, the state donated) in a fresh process with an empty Inductor
-cache, at one depth, with the blocks unrolled in the step's graph or stacked and run by torch's
+cache (in the quick mode, one cache for its cases), at one depth, with the blocks unrolled in the step's graph or stacked and run by torch's
 ``scan`` (``model.scan_layers``). Compile time is the first step minus a steady one. The
 invariants: the scan step's first loss equals the unrolled one's (relative 1e-5), and in the
 full study the cold compile at the deepest model is at most 1.5x the shallowest's with scan.
@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from experiments.harness import REPO, Options, conclude, markdown_table, parse_options, pyplot, save_figure, write_json
 
@@ -29,16 +30,18 @@ COMPILE_RATIO_LIMIT = 1.5
 LOSS_RTOL = 1e-5
 
 
-def run_case(layers: int, mode: str, workload: dict, options: Options) -> dict:
-    """One benchmark worker (fresh process, fresh Inductor cache): its JSON result plus the case."""
+def run_case(layers: int, mode: str, workload: dict, options: Options, cache: Optional[str] = None) -> dict:
+    """One benchmark worker in a fresh process: its JSON result plus the case. Its Inductor cache is
+    a fresh directory, or ``cache`` (the quick mode shares one between its cases: the CPU's ISA
+    probes and the precompiled header are built once, and no compile time is asserted there)."""
     args = [sys.executable, "-m", "experiments.bench", "--worker", "func-compiled", "--layers", str(layers),
             "--hidden", str(workload["hidden"]), "--seq", str(workload["seq"]), "--batch", str(workload["batch"]),
             "--steps", str(workload["steps"]), "--warmup", "2", "--threads", str(options.threads)]
     if mode == "scan":
         args.append("--scan-layers")
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TORCHINDUCTOR_CACHE_DIR": cache}
+    with tempfile.TemporaryDirectory() as fresh:
+        env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TORCHINDUCTOR_CACHE_DIR": cache or fresh}
         proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"case layers={layers} {mode} failed:\n{proc.stderr[-3000:]}")
@@ -88,7 +91,9 @@ def main(argv=None) -> None:
     if options.report_only:
         results = json.loads(path.read_text())
     else:
-        results = [run_case(layers, mode, workload, options) for layers in workload["layers"] for mode in MODES]
+        with tempfile.TemporaryDirectory() as shared:
+            cache = shared if options.quick else None
+            results = [run_case(layers, mode, workload, options, cache) for layers in workload["layers"] for mode in MODES]
         write_json(path, results)
     table, failures = report(results, workload, options)
     seconds = {f"{r['mode']} L{r['layers']}": r["seconds"] for r in results}

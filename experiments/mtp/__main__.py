@@ -54,9 +54,11 @@ def summarise(results: dict[str, list[dict]], tokens_per_step: int) -> dict[str,
     return rows
 
 
-def check(rows: dict, initial_loss: float) -> list[str]:
+def check(rows: dict, initial_loss: float, timed: bool) -> list[str]:
     """Depth-k runs log k MTP losses, each finite and below the untrained model's loss (every depth
-    learns); MTP costs time (fewer tokens/s than depth 0)."""
+    learns); with ``timed``, MTP costs time (fewer tokens/s than depth 0). The quick mode, which
+    the test suite runs beside other tests, leaves the timing out: runs made one after another on a
+    shared machine do not compare."""
     failures = []
     for name, r in rows.items():
         depth = 0 if name == "depth0" else int(name[5])
@@ -65,7 +67,8 @@ def check(rows: dict, initial_loss: float) -> list[str]:
             failures.append(f"{name}: logged MTP losses {sorted(r['mtp_losses'])}, expected {depth}")
         elif not all(v < initial_loss for v in losses):
             failures.append(f"{name}: MTP losses {losses} not below the untrained loss {initial_loss:.3f}")
-        if depth and r["tokens_per_s"] and rows["depth0"]["tokens_per_s"] and r["tokens_per_s"] >= rows["depth0"]["tokens_per_s"]:
+        if (timed and depth and r["tokens_per_s"] and rows["depth0"]["tokens_per_s"]
+                and r["tokens_per_s"] >= rows["depth0"]["tokens_per_s"]):
             failures.append(f"{name}: {r['tokens_per_s']:.0f} tokens/s, not slower than depth 0")
     return failures
 
@@ -113,7 +116,7 @@ def main(argv=None) -> None:
     cfg = load_config(str(config))
     results = load_results(options, [run.name for run in runs])
     rows = summarise(results, cfg.run.micro_batch_size * cfg.data.seq_length)
-    failures = check(rows, series(results["depth0"], "valid", "loss")[1][0])
+    failures = check(rows, series(results["depth0"], "valid", "loss")[1][0], timed=not options.quick)
     tables = report(results, rows, options.out)
     conclude(options, config, seconds, failures, tables, runs=rows)
 

@@ -49,11 +49,13 @@ LAYOUTS = {
 """Layout name: (ranks, flags)."""
 RUNS = [Run("single")] + [Run(f"{name}{suffix}", flags + extra, nproc=nproc) for name, (nproc, flags) in LAYOUTS.items()
                           for suffix, extra in (("", ()), ("_per_leaf", NO_BUCKETS))]
-QUICK_LEAVES_OUT = ("dp_replicate2", "dp_replicate2_per_leaf", "hsdp4_per_leaf", "tp2_sp", "tp2_sp_per_leaf")
+QUICK_LEAVES_OUT = ("dp_replicate2", "dp_replicate2_per_leaf", "hsdp4", "hsdp4_per_leaf", "tp2_sp", "tp2_sp_per_leaf")
 """Runs ``--quick`` (the test suite's mode) does not make: each is a compile of its own, and what
 they would show is checked elsewhere. The compiled DDP and HSDP steps' bucketed collective counts
-are asserted exactly in tests/test_parallel.py, and they are far below the per-leaf counts. The
-per-leaf path itself and the TP buckets stay in the quick mode through dp_shard2 and tp2."""
+(HSDP's replicas all-reducing shards, not whole gradients) are asserted exactly in
+tests/test_parallel.py, and they are far below the per-leaf counts. The per-leaf path itself and
+the TP buckets stay in the quick mode through dp_shard2 and tp2. Without a 4-rank run the quick
+mode also leaves out the four side-by-side singles (``QUAD``)."""
 PAIR = [Run("single_pair_a"), Run("single_pair_b")]
 """Two single-process runs side by side: each rank's share of the box with no communication."""
 QUAD = [Run(f"single_quad_{k}") for k in "abcd"]
@@ -152,6 +154,12 @@ def study_runs(quick: bool) -> list[Run]:
     return [run for run in RUNS if not (quick and run.name in QUICK_LEAVES_OUT)]
 
 
+def side_by_side_runs(quick: bool) -> dict[int, tuple[str, list[Run]]]:
+    """``SIDE_BY_SIDE`` for the ranks the mode's runs have: no ``QUAD`` in the quick mode."""
+    ranks = {run.nproc for run in study_runs(quick)}
+    return {n: group for n, group in SIDE_BY_SIDE.items() if n in ranks}
+
+
 def rows(options: Options, results: dict[str, list[dict]]) -> dict[str, dict]:
     out = {}
     for run in study_runs(options.quick):
@@ -165,7 +173,7 @@ def rows(options: Options, results: dict[str, list[dict]]) -> dict[str, dict]:
         profile = profile_summary(kept) if kept.exists() else {}
         out[run.name] = {"ranks": run.nproc, "tokens_per_s_per_rank": per_rank, **profile}
         if run.name == "single":
-            for ranks, (name, group) in SIDE_BY_SIDE.items():
+            for ranks, (name, group) in side_by_side_runs(options.quick).items():
                 rates = [steady_rate(results[r.name]) for r in group]
                 out[name] = {"ranks": ranks, "tokens_per_s_per_rank": sum(rates) / len(rates)}
     single = out["single"]["tokens_per_s_per_rank"]
@@ -185,13 +193,15 @@ def main(argv=None) -> None:
     else:
         seconds = {run.name: run_training(run, config, options)["seconds"] for run in study_runs(options.quick)}
         seconds |= run_side_by_side(round_runs(1)["pair"], config, options)
-        seconds |= run_side_by_side(QUAD, config, options)
+        if 4 in side_by_side_runs(options.quick):
+            seconds |= run_side_by_side(QUAD, config, options)
         for k in range(2, rounds + 1):
             for group in round_runs(k).values():
                 seconds |= run_side_by_side(group, config, options)
         measure_gloo_cost(config, options)
     bound_names = [run.name for k in range(1, rounds + 1) for group in round_runs(k).values() for run in group]
-    results = load_results(options, dict.fromkeys([run.name for run in study_runs(options.quick) + QUAD] + bound_names))
+    quad = QUAD if 4 in side_by_side_runs(options.quick) else []
+    results = load_results(options, dict.fromkeys([run.name for run in study_runs(options.quick) + quad] + bound_names))
     table_rows = rows(options, results)
     write_json(options.results / "scaling.json", table_rows)
     model_cfg = load_config(str(config))

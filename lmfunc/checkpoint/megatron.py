@@ -94,23 +94,30 @@ def checkpoint_format(directory: str) -> str:
                       "(the legacy torch format)")
 
 
-def read_torch_dist_model(directory: str) -> dict[str, torch.Tensor]:
-    """The model tensors of a ``torch_dist`` save, whole and with the layers unstacked:
-    ``decoder.layers.<i>.<name>`` for each stacked ``decoder.layers.<name>`` ``[L, ...]`` (a save
-    that keeps its layers one by one already names them so)."""
+def torch_dist_keys(directory: str) -> dict[str, TensorStorageMetadata]:
+    """The tensor entries of a ``torch_dist`` save's metadata: ``{key: its size and dtype}``."""
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except (OSError, EOFError, RuntimeError, ValueError) as err:
         raise ConfigError(f"checkpoint.load_megatron: {directory}/.metadata cannot be read ({err}); the save is "
                           "incomplete or damaged") from None
-    wanted = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-              for key, meta in metadata.state_dict_metadata.items()
-              if isinstance(meta, TensorStorageMetadata) and key.startswith(MODEL_PREFIXES)}
+    return {key: meta for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+
+
+def read_torch_dist_model(directory: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The model tensors of a ``torch_dist`` save (with ``prefix``: the optimizer's tensors of that
+    name, ``optimizer.state.exp_avg.`` ..., keyed like the model's), whole and with the layers
+    unstacked: ``decoder.layers.<i>.<name>`` for each stacked ``decoder.layers.<name>`` ``[L, ...]``
+    (a save that keeps its layers one by one already names them so)."""
+    wanted = {key.removeprefix(prefix): torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in torch_dist_keys(directory).items()
+              if key.startswith(prefix) and key.removeprefix(prefix).startswith(MODEL_PREFIXES)}
     if not wanted:
-        raise ConfigError(f"checkpoint.load_megatron: {directory} holds no model tensors (no keys under "
-                          f"{', '.join(MODEL_PREFIXES)})")
+        raise ConfigError(f"checkpoint.load_megatron: {directory} holds no {'model' if not prefix else prefix} tensors "
+                          f"(no keys under {', '.join(prefix + name for name in MODEL_PREFIXES)})")
     try:
-        dcp.load(wanted, storage_reader=FileSystemReader(directory), no_dist=True)
+        dcp.load({prefix + key: tensor for key, tensor in wanted.items()}, storage_reader=FileSystemReader(directory),
+                 no_dist=True)
     except (Exception, CheckpointException) as err:  # DCP reports a short or missing shard file as a BaseException
         raise ConfigError(f"checkpoint.load_megatron: reading {directory} failed: {_first_line(err)}; a shard file "
                           "is missing or truncated") from None

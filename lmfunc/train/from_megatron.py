@@ -6,8 +6,10 @@ run also continues where Megatron stopped: the step counter at Megatron's iterat
 ``consumed_train_samples``, and the lr schedule at that iteration, so the first lmfunc update uses
 the learning rate Megatron's ``OptimizerParamScheduler`` would give its next one. For that, the
 schedule and batch settings must be Megatron's (else ``ConfigError`` lists the flags). The Adam
-moments start fresh (as Megatron's ``--no-load-optim``: its optimizer formats are not read yet), and so
-does the loss scale.
+moments and step count continue too where the save holds them in a format lmfunc reads
+(``lmfunc.checkpoint.megatron_optimizer`` names which), with a mixed-precision run's fp32 master
+weights; otherwise they start fresh, as with Megatron's ``--no-load-optim``. The loss scale starts
+fresh.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import torch
 from lmfunc.config.model import ConfigError
 from lmfunc.config.sections import schedule_lengths
 from lmfunc.config.train import TrainConfig
-from lmfunc.optim.transforms import ScaleByScheduleState
+from lmfunc.optim.transforms import ScaleByAdamState, ScaleByScheduleState
 from lmfunc.train.state import TrainState
-from lmfunc.tree import tree_map
+from lmfunc.tree import PyTree, flatten_with_paths, tree_map, tree_unflatten_as
 
 
 class MegatronPosition(NamedTuple):
@@ -68,7 +70,7 @@ def megatron_position(cfg: TrainConfig) -> Optional[MegatronPosition]:
 
 def continued_state(state: TrainState, position: MegatronPosition) -> TrainState:
     """``state`` (freshly created) at Megatron's position: step and consumed samples, and every lr
-    schedule's update count at the iteration. Adam's own count stays 0, as its moments are fresh."""
+    schedule's update count at the iteration (Adam's own count is its moments', ``with_megatron_adam``)."""
     def at_iteration(node):
         if isinstance(node, ScaleByScheduleState):
             return ScaleByScheduleState(torch.full_like(node.count, position.iteration))
@@ -80,12 +82,52 @@ def continued_state(state: TrainState, position: MegatronPosition) -> TrainState
                                consumed_samples=torch.full_like(state.consumed_samples, position.consumed_samples))
 
 
+def placed_like(full: PyTree, like: PyTree) -> PyTree:
+    """The leaves of the full tree ``full`` at the paths of ``like`` (a run's params or moments: the
+    whole tree, or a pipeline rank's part), each placed as ``like``'s leaf is (its DTensor mesh and
+    placements, or its device)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    leaves = dict(flatten_with_paths(full))
+
+    def place(path: str, leaf: torch.Tensor) -> torch.Tensor:
+        value = leaves[path].to(leaf.dtype)
+        if isinstance(leaf, DTensor):
+            return distribute_tensor(value, leaf.device_mesh, leaf.placements)
+        return value.to(leaf.device)
+
+    return tree_unflatten_as(like, [place(path, leaf) for path, leaf in flatten_with_paths(like)])
+
+
+def with_megatron_adam(state: TrainState, adam) -> TrainState:
+    """``state`` with the Adam moments and count of ``adam`` (a read ``MegatronAdam``), and its fp32
+    master weights as the params when the save holds them."""
+    def adam_state(node):
+        if isinstance(node, ScaleByAdamState):
+            return ScaleByAdamState(torch.full_like(node.count, adam.count), placed_like(adam.mu, node.mu),
+                                    placed_like(adam.nu, node.nu))
+        return node
+
+    opt_state = tree_map(adam_state, state.opt_state, is_leaf=lambda node: isinstance(node, ScaleByAdamState))
+    params = placed_like(adam.master_weights, state.params) if adam.master_weights is not None else state.params
+    return dataclasses.replace(state, params=params, opt_state=opt_state)
+
+
 def megatron_start(cfg: TrainConfig, state: TrainState, echo: Callable[[str], None]) -> TrainState:
     """``state`` continued at the position of ``checkpoint.load_megatron`` (said through
     ``echo``), or unchanged when the run starts from no Megatron training save."""
+    from lmfunc.checkpoint.megatron_optimizer import load_megatron_adam
+
     position = megatron_position(cfg)
     if position is None:
         return state
+    adam = load_megatron_adam(cfg.checkpoint.load_megatron, cfg.model)
+    state = continued_state(state, position)
+    if adam.read:
+        state = with_megatron_adam(state, adam)
+        what = f"Megatron's Adam moments at step {adam.count}" + (", its fp32 master weights" if adam.master_weights else "")
+    else:
+        what = f"fresh Adam moments: the save holds {adam.format}"
     echo(f"continuing the Megatron run of {cfg.checkpoint.load_megatron} at iteration {position.iteration} "
-         f"({position.consumed_samples} samples consumed; fresh Adam moments and loss scale)")
-    return continued_state(state, position)
+         f"({position.consumed_samples} samples consumed; {what}; a fresh loss scale)")
+    return state

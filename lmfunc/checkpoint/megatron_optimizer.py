@@ -1,0 +1,105 @@
+"""Megatron-LM's Adam state: the moments and step count of a ``torch_dist`` training save, as lmfunc
+trees, so a continued run takes the update Megatron's next step would.
+
+Which of Megatron's optimizer formats are read:
+- ``torch_dist`` saves of the plain optimizer and of the distributed optimizer in its
+  model-space format (``fully_sharded_model_space``, Megatron's choice with
+  ``--ckpt-fully-parallel-save``): each moment is stored whole under its parameter's key,
+  ``optimizer.state.exp_avg.<key>`` and ``optimizer.state.exp_avg_sq.<key>`` (with mixed precision
+  also the fp32 master weights, ``optimizer.state.fp32_param.<key>``), and the step count in
+  ``common.pt`` (``optimizer.state.common_step``). These are read, through the same layouts as the
+  weights (``megatron_layout``: a moment is laid out as its parameter).
+- The distributed optimizer's flattened formats (``dp_zero_gather_scatter``, ``fully_sharded_bucket_space``:
+  ``optimizer.distributed.*``, buffers in the data-parallel ranks' order) and the legacy format's
+  pickled optimizer (integer parameter ids, per-rank shards): not read. A run from such a save
+  starts with fresh moments, as Megatron's ``--no-load-optim``, and says which format it found.
+The loss scale is not read (fp16 runs start at lmfunc's initial scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from lmfunc.checkpoint.megatron import (
+    COMMON, checkpoint_format, iteration_dir, read_common, read_torch_dist_model, torch_dist_keys,
+)
+from lmfunc.checkpoint.megatron_layout import from_megatron_layers
+from lmfunc.config.model import ModelConfig
+from lmfunc.tree import PyTree
+
+MOMENTS = {"mu": "optimizer.state.exp_avg.", "nu": "optimizer.state.exp_avg_sq."}
+"""lmfunc's Adam moment -> the key prefix of Megatron's in a ``torch_dist`` save."""
+MASTER_WEIGHTS = "optimizer.state.fp32_param."
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronAdam:
+    """Megatron's Adam state, or why it was not read."""
+
+    mu: Optional[PyTree]
+    """First moments, full fp32 tensors in ``cfg``'s parameter tree (None when not read)."""
+    nu: Optional[PyTree]
+    """Second moments, likewise."""
+    count: int
+    """Adam steps taken (its bias correction's count)."""
+    master_weights: Optional[PyTree]
+    """The fp32 master weights of a mixed-precision run, which are the weights to continue from."""
+    format: str
+    """What the save holds: 'model-space moments', or the format that was not read and why."""
+
+    @property
+    def read(self) -> bool:
+        return self.mu is not None
+
+
+def _unread(what: str) -> MegatronAdam:
+    return MegatronAdam(None, None, 0, None, what)
+
+
+def _common_step(common: dict) -> Optional[int]:
+    """``common_step`` of ``common.pt``'s optimizer state: of the one optimizer, or of the first of
+    a chain (a list, or a dict by index) that has one."""
+    optimizer = common.get("optimizer")
+    if isinstance(optimizer, dict) and "state" not in optimizer:
+        optimizer = list(optimizer.values())
+    for state in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        inner = state.get("state") if isinstance(state, dict) else None
+        if isinstance(inner, dict) and "common_step" in inner:
+            return int(inner["common_step"])
+    return None
+
+
+def _with_buffers(tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], zero: bool) -> dict[str, torch.Tensor]:
+    """``tensors`` plus the routers' expert biases, which Megatron keeps as buffers with no optimizer
+    state (lmfunc's are non-trainable leaves): zero moments (``zero``), else the weights' values."""
+    buffers = {name: torch.zeros_like(t) if zero else t for name, t in weights.items() if name.endswith("router.expert_bias")}
+    return {**buffers, **tensors}
+
+
+def load_megatron_adam(path: str, cfg: ModelConfig) -> MegatronAdam:
+    """Megatron's Adam moments and step count from the save ``path`` names (``iteration_dir``), in
+    ``cfg``'s parameter tree, when the save holds them in a format lmfunc reads (module docstring);
+    else a ``MegatronAdam`` whose ``format`` says what was found."""
+    directory = iteration_dir(path)
+    if checkpoint_format(directory) != "torch_dist":
+        return _unread("the legacy format's pickled optimizer state (not read)")
+    keys = torch_dist_keys(directory)
+    if not any(key.startswith(MOMENTS["mu"]) for key in keys):
+        if any(key.startswith("optimizer.distributed.") for key in keys):
+            return _unread("the distributed optimizer's flattened buffers, optimizer.distributed.* (not read)")
+        return _unread("no optimizer state")
+    step = _common_step(read_common(directory))
+    if step is None:
+        return _unread(f"moments without a step count in {COMMON} (not read)")
+    weights = read_torch_dist_model(directory)
+    source = f"{directory} (optimizer state)"
+    mu, nu = (from_megatron_layers(_with_buffers(read_torch_dist_model(directory, prefix), weights, zero=True), cfg, source)
+              for prefix in MOMENTS.values())
+    master = None
+    if any(key.startswith(MASTER_WEIGHTS) for key in keys):
+        master = from_megatron_layers(_with_buffers(read_torch_dist_model(directory, MASTER_WEIGHTS), weights, zero=False),
+                                      cfg, source)
+    return MegatronAdam(mu, nu, step, master, "model-space moments")
