@@ -477,3 +477,16 @@ def test_a_megatron_save_with_adam_state_continues_with_megatrons_next_update(na
         ours = to_megatron_layers(state.params, cfg, spelling="local")
         errors[label] = max(float((ours[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in ours)
     assert errors["continued"] < 1e-6 and errors["fresh moments"] > 1e-4, errors
+
+
+def test_adams_step_count_is_read_from_the_plain_or_the_distributed_optimizers_common_state():
+    """``common.pt`` holds the plain optimizer's ``common_step`` (as megatron-core writes it above), or
+    the distributed optimizer's param groups' ``step`` (its ``state_dict``; writing one needs CUDA),
+    for one optimizer or a chain of them; a save without either gives none."""
+    from lmfunc.checkpoint.megatron_optimizer import _common_step
+
+    plain = {"state": {"common_step": torch.tensor(2.0)}, "param_groups": [{"lr": 1e-3}]}
+    distributed = {"optimizer": {"param_groups": [{"lr": 1e-3, "step": 5}, {"lr": 1e-3, "step": 5}]}}
+    assert _common_step({"optimizer": plain}) == 2 and _common_step({"optimizer": distributed}) == 5
+    assert _common_step({"optimizer": {0: distributed, 1: distributed}}) == 5 and _common_step({"optimizer": [plain]}) == 2
+    assert _common_step({"args": None}) is None

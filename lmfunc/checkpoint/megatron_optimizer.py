@@ -7,8 +7,11 @@ Which of Megatron's optimizer formats are read:
   ``--ckpt-fully-parallel-save``): each moment is stored whole under its parameter's key,
   ``optimizer.state.exp_avg.<key>`` and ``optimizer.state.exp_avg_sq.<key>`` (with mixed precision
   also the fp32 master weights, ``optimizer.state.fp32_param.<key>``), and the step count in
-  ``common.pt`` (``optimizer.state.common_step``). These are read, through the same layouts as the
-  weights (``megatron_layout``: a moment is laid out as its parameter).
+  ``common.pt`` (the plain optimizer's ``common_step``, the distributed one's param groups' ``step``).
+  These are read, through the same layouts as the weights (``megatron_layout``: a moment is laid
+  out as its parameter). The plain optimizer's save is tested against megatron-core on the CPU; the
+  distributed optimizer needs CUDA tensors, so its keys here follow megatron-core's source
+  (``DistributedOptimizer.sharded_param_state_fs_model_space`` and ``state_dict``).
 - The distributed optimizer's flattened formats (``dp_zero_gather_scatter``, ``fully_sharded_bucket_space``:
   ``optimizer.distributed.*``, buffers in the data-parallel ranks' order) and the legacy format's
   pickled optimizer (integer parameter ids, per-rank shards): not read. A run from such a save
@@ -60,15 +63,23 @@ def _unread(what: str) -> MegatronAdam:
 
 
 def _common_step(common: dict) -> Optional[int]:
-    """``common_step`` of ``common.pt``'s optimizer state: of the one optimizer, or of the first of
-    a chain (a list, or a dict by index) that has one."""
+    """Adam's step count in ``common.pt``'s optimizer state: the plain optimizer's ``common_step``
+    (``{"state": {"common_step": n}, "param_groups": ...}``) or the distributed optimizer's
+    param groups' ``step`` (``{"optimizer": {"param_groups": [{"step": n}, ...]}}``), of the one
+    optimizer or the first of a chain (a list, or a dict by index) that has one."""
     optimizer = common.get("optimizer")
-    if isinstance(optimizer, dict) and "state" not in optimizer:
+    if isinstance(optimizer, dict) and not {"state", "optimizer", "param_groups"} & optimizer.keys():
         optimizer = list(optimizer.values())
     for state in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-        inner = state.get("state") if isinstance(state, dict) else None
+        if not isinstance(state, dict):
+            continue
+        inner = state.get("state")
         if isinstance(inner, dict) and "common_step" in inner:
             return int(inner["common_step"])
+        groups = (state.get("optimizer") or state).get("param_groups") or []
+        steps = {int(group["step"]) for group in groups if isinstance(group, dict) and group.get("step") is not None}
+        if len(steps) == 1:
+            return steps.pop()
     return None
 
 
