@@ -93,6 +93,8 @@ def main() -> None:
     moments = full_tensors(state.opt_state[0].mu)
     leaf_placements = {path: str(tuple(p.placements)) for path, p in flatten_with_paths(state.params)}
     placements = sorted(set(leaf_placements.values()))
+    cache_hits = [None] * dist.get_world_size()  # Inductor graphs each rank found in its compile cache
+    dist.all_gather_object(cache_hits, int(torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]))
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump({
@@ -103,6 +105,7 @@ def main() -> None:
                 "total_moment_error": total_error(moments, reference.opt_state[0].mu),
                 "frames": torch._dynamo.utils.counters["stats"]["unique_graphs"], "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
                 "placements": placements, "leaf_placements": leaf_placements, "collectives": collectives, "elements": elements,
+                "cache_hits": cache_hits,
             }, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -379,7 +379,8 @@ def test_a_megatron_training_save_continues_at_its_iteration_with_megatrons_lr(t
     """A Megatron training save (``iter_0000030``, ``args`` with its schedule and 120 consumed
     samples): the lmfunc run starts at step 31 with the data at sample 120, and its first update's
     lr is megatron-core's ``OptimizerParamScheduler`` at iteration 30 (its steps counted in samples,
-    as Megatron's training loop counts them). Another lr is refused with the flag to pass;
+    as Megatron's training loop counts them). Another lr, or lmfunc's default per-token loss
+    normalisation where Megatron ran its default per-microbatch means, is refused with the flags to pass;
     ``--checkpoint.finetune`` takes the weights alone and starts at step 1."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -403,7 +404,9 @@ def test_a_megatron_training_save_continues_at_its_iteration_with_megatrons_lr(t
               "--run.out-dir", str(tmp_path), "--checkpoint.load-megatron", str(tmp_path / "megatron")]
     with pytest.raises(SystemExit):
         train_main(common + ["--run.name", "other_lr", "--optim.lr", "1e-3"])
-    assert "lr is 0.003 there, 0.001 here. To continue it, pass --optim.lr 0.003" in capsys.readouterr().err
+    assert ("lr is 0.003 there, 0.001 here; calculate_per_token_loss is False there, True here. To continue it, pass "
+            "--optim.lr 0.003 --run.no-calculate-per-token-loss") in capsys.readouterr().err
+    common.append("--run.no-calculate-per-token-loss")  # Megatron's default loss normalisation
     train_main(common + ["--run.name", "finetuned", "--optim.lr", "1e-3", "--checkpoint.finetune"])
     assert [r["step"] for r in read_log(str(tmp_path / "finetuned" / "log.jsonl")) if r["kind"] == "train"][0] == 1
     capsys.readouterr()

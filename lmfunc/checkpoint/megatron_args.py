@@ -238,9 +238,10 @@ def _mla_arguments(cfg: ModelConfig) -> list[str]:
 
 
 def schedule_mismatches(args: Namespace, settings: dict[str, Any]) -> dict[str, tuple[Any, Any, str]]:
-    """Where lmfunc's lr schedule and batch (``settings``: lr, min_lr, lr_decay_style,
-    lr_warmup_init, the resolved warmup and decay in iterations, global_batch_size) differ from
-    the ones Megatron's ``args`` ran with: ``{name: (Megatron's, lmfunc's, the lmfunc flag that
+    """Where lmfunc's lr schedule, batch and loss normalisation (``settings``: lr, min_lr,
+    lr_decay_style, lr_warmup_init, the resolved warmup and decay in iterations,
+    global_batch_size, calculate_per_token_loss, whose default differs: Megatron's False scales the
+    router losses' gradient otherwise) differ from the ones Megatron's ``args`` ran with: ``{name: (Megatron's, lmfunc's, the lmfunc flag that
     sets it to Megatron's)}``. Megatron's decay defaults to its ``train_iters``; a
     ``--lr-warmup-fraction`` is resolved as Megatron does."""
     decay = _get(args, "lr_decay_iters") or _get(args, "train_iters")
@@ -249,7 +250,8 @@ def schedule_mismatches(args: Namespace, settings: dict[str, Any]) -> dict[str, 
         warmup = int(args.lr_warmup_fraction * decay)
     theirs = {"lr": _get(args, "lr"), "min_lr": _get(args, "min_lr", 0.0), "lr_decay_style": _get(args, "lr_decay_style"),
               "lr_warmup_init": _get(args, "lr_warmup_init", 0.0), "lr_warmup_iters": warmup, "lr_decay_iters": decay,
-              "global_batch_size": _get(args, "global_batch_size")}
+              "global_batch_size": _get(args, "global_batch_size"),
+              "calculate_per_token_loss": bool(_get(args, "calculate_per_token_loss", False))}
     options = {"global_batch_size": "--run.global-batch-size"}
     out = {}
     for name, value in theirs.items():
@@ -257,6 +259,8 @@ def schedule_mismatches(args: Namespace, settings: dict[str, Any]) -> dict[str, 
             continue
         ours = settings[name]
         same = float(ours) == float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else ours == value
-        if not same:
+        if not same and isinstance(value, bool):  # the loss normalisation: a run flag
+            out[name] = (value, ours, "--run." + ("" if value else "no-") + name.replace("_", "-"))
+        elif not same:
             out[name] = (value, ours, f"{options.get(name, '--optim.' + name.replace('_', '-'))} {value}")
     return out

@@ -19,7 +19,7 @@ import ctypes
 import functools
 import gc
 import types
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch._inductor
@@ -59,7 +59,7 @@ def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
             nonlocal compiled
             if compiled is None:
                 release_compile_garbage()
-                with compile_settings():
+                with compile_settings(), host_compile_turn(args):
                     compiled = _compile_static(graph, list(args), options)
                 release_compile_garbage()
             return compiled(*args)
@@ -67,6 +67,42 @@ def _inductor_on_first_call(options: dict[str, Any]) -> Callable:
         return run
 
     return backend
+
+
+COMPILE_LOCK = "lmfunc-compile.lock"
+"""The file in the Inductor cache directory whose lock a rank holds while Inductor compiles."""
+
+
+@contextlib.contextmanager
+def host_compile_turn(args: tuple) -> Iterator[None]:
+    """While Inductor compiles a graph of a multi-process run on the CPU whose ranks trace alike (a
+    1-D mesh other than a pipeline's, ``lmfunc.parallel.mesh.ranks_compile_in_turn``): an
+    exclusive ``flock`` on ``COMPILE_LOCK`` in their shared Inductor cache directory, waited for. The
+    ranks of one host share the CPU's cores, so they compile one after another and a graph all of
+    them trace alike is compiled once: the others find it in Inductor's cache. No collective runs
+    while the lock is held (the compile is local), so no rank waits for one that waits for the lock.
+    Otherwise (one process, a larger mesh, a pipeline, CUDA, where every rank has cores of its own)
+    nothing."""
+    import fcntl
+    import os
+
+    import torch.distributed as dist
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from lmfunc.parallel.mesh import ranks_compile_in_turn
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not (dist.is_available() and dist.is_initialized() and ranks_compile_in_turn()) or not tensors or any(
+            t.device.type != "cpu" for t in tensors):
+        yield
+        return
+    os.makedirs(cache_dir(), exist_ok=True)
+    with open(os.path.join(cache_dir(), COMPILE_LOCK), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 DATA_DEPENDENT_SIZE_OPTIONS = {"reorder_for_peak_memory": False}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Optional
 
 import torch
@@ -91,23 +92,46 @@ def build_mesh(sizes: dict[str, int], device: str | torch.device = "cpu") -> Lay
         return Layout(resolved, None, device)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device))
-    _per_rank_compile_cache(dist.get_rank())
     mesh = init_device_mesh(device.type, tuple(size for _, size in used), mesh_dim_names=tuple(name for name, _ in used))
+    _compile_cache_by_groups(mesh)
     return Layout(resolved, mesh, device)
 
 
-def _per_rank_compile_cache(rank: int) -> None:
-    """Give each rank its own Inductor cache directory.
+def _compile_cache_by_groups(mesh: DeviceMesh) -> None:
+    """Keep one Inductor cache directory for every rank of a 1-D mesh, and give each rank of a
+    mesh with more dims its own.
 
     Compiled graphs embed the names of the process groups their collectives use, and those names
-    differ between ranks of a 2-D mesh; with one shared cache, rank 2 can load rank 0's graph and
-    fail with "Could not resolve the process group registered under the name ..." (torch 2.13).
-    """
+    differ between ranks of a 2-D mesh; torch 2.13's cache key leaves them out, so with one shared
+    cache rank 2 can load rank 0's graph and fail with "Could not resolve the process group
+    registered under the name ...". On a 1-D mesh every rank's group is the world's, with the same
+    name, so the ranks share the directory a single process uses (its precompiled header and CPU
+    checks included), and the ranks of one CPU host compile one after another
+    (``lmfunc.compiler.compiling.host_compile_turn``), unless the dim is a pipeline's: a graph every
+    rank traces alike is compiled once and loaded from the cache by the others. A rank of a larger mesh keeps ``rank<r>/``, shared
+    with the same rank of other jobs, which its groups' names (hashes of their ranks) keep apart."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     base = cache_dir()
-    if os.path.basename(base) != f"rank{rank}":
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
+    if re.fullmatch(r"rank\d+", os.path.basename(base)):
+        base = os.path.dirname(base)
+    rank_dir = os.path.join(base, f"rank{dist.get_rank()}")
+    one_dim = len(mesh.mesh_dim_names) == 1
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = base if one_dim else rank_dir
+    _COMPILING_IN_TURN[0] = base if one_dim and mesh.mesh_dim_names[0] != "pp" else None
+
+
+_COMPILING_IN_TURN: list[Optional[str]] = [None]
+"""The Inductor cache directory whose ranks trace the same graphs and compile in turn (a 1-D mesh
+that is not a pipeline's, whose stages' graphs differ), or None."""
+
+
+def ranks_compile_in_turn() -> bool:
+    """Whether this process's ranks trace alike and share the current Inductor cache directory, so
+    that compiling in turn lets all but one load each graph (``_compile_cache_by_groups``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return _COMPILING_IN_TURN[0] is not None and _COMPILING_IN_TURN[0] == cache_dir()
 
 
 def data_parallel_rank(layout: Layout) -> int:

@@ -57,7 +57,8 @@ def megatron_position(cfg: TrainConfig) -> Optional[MegatronPosition]:
     lengths = schedule_lengths(cfg.run, cfg.optim)
     ours = {"lr": cfg.optim.lr, "min_lr": cfg.optim.min_lr, "lr_decay_style": cfg.optim.lr_decay_style,
             "lr_warmup_init": cfg.optim.lr_warmup_init, "lr_warmup_iters": lengths.warmup,
-            "lr_decay_iters": lengths.decay, "global_batch_size": cfg.run.global_batch_size}
+            "lr_decay_iters": lengths.decay, "global_batch_size": cfg.run.global_batch_size,
+            "calculate_per_token_loss": cfg.run.calculate_per_token_loss}
     differing = schedule_mismatches(args, ours)
     if differing:
         raise ConfigError(
