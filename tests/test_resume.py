@@ -15,10 +15,10 @@ from lmfunc.train.log import read_log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# About 50 ms per step on one thread, so a signal sent after step k lands well before step 20.
+# About 25 ms per step on one thread, so a signal sent after step k lands well before step 20.
 CONFIG = """
 preset: tiny
-model: {vocab_size: 384, hidden_size: 128, num_layers: 4, max_position_embeddings: 128}
+model: {vocab_size: 384, hidden_size: 128, num_layers: 2, max_position_embeddings: 128}
 data: {seq_length: 128, split: "90,10,0"}
 optim: {lr_warmup_iters: 5}
 run: {micro_batch_size: 4, global_batch_size: 8, train_iters: 20, eval_iters: 0, sample_tokens: 0, out_dir: "${RUNS}"}
@@ -188,10 +188,10 @@ def test_a_different_hidden_size_is_refused_by_name(workdir, reference, capsys, 
     err = capsys.readouterr().err
     assert "model.hidden_size: checkpoint 128, this run 256" in err and "iter_0000020" in err
     with pytest.raises(SystemExit):
-        train_main(["--config", str(workdir / "run.yaml"), "--run.name", "fewer", "--model.num-layers", "2",
+        train_main(["--config", str(workdir / "run.yaml"), "--run.name", "more", "--model.num-layers", "4",
                     "--model.num-attention-heads", "8", "--checkpoint.load", load, "--run.no-compile"])
     err = capsys.readouterr().err
-    assert "model.num_attention_heads: checkpoint 4, this run 8" in err and "model.num_layers: checkpoint 4, this run 2" in err
+    assert "model.num_attention_heads: checkpoint 4, this run 8" in err and "model.num_layers: checkpoint 2, this run 4" in err
     with pytest.raises(SystemExit):
         train_main(["--config", str(workdir / "run.yaml"), "--run.name", "absent", "--checkpoint.load",
                     str(workdir / "nowhere"), "--run.no-compile"])
