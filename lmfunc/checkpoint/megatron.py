@@ -167,9 +167,6 @@ def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteratio
     name = "release" if iteration is None else f"iter_{iteration:07d}"
     directory = os.path.join(path, name)
     os.makedirs(directory, exist_ok=True)
-    for entry in os.listdir(directory):  # an earlier save's files would stay beside ours, unreferenced
-        if entry.endswith(".distcp") or entry in (".metadata", COMMON, METADATA):
-            os.remove(os.path.join(directory, entry))
     stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
     flat: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():

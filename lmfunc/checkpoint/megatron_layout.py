@@ -350,7 +350,8 @@ def from_megatron_layers(tensors: dict[str, torch.Tensor], cfg: ModelConfig, sou
     that is missing, disagrees or is left over is named, with ``source``."""
     check_megatron_mappable(cfg, source)
     named = _canonical(tensors, cfg, source)
-    like = dict(flatten_with_paths(param_shapes(dataclasses.replace(cfg, scan_layers=False))))
+    shapes = param_shapes(dataclasses.replace(cfg, scan_layers=False))
+    like = dict(flatten_with_paths(shapes))
     leaves: dict[str, torch.Tensor] = {}
     for rule in _model_rules(cfg):
         if not all(name in like for name in rule.ours):
@@ -374,5 +375,5 @@ def from_megatron_layers(tensors: dict[str, torch.Tensor], cfg: ModelConfig, sou
         left = sorted(named)
         raise ConfigError(f"{source} holds {len(left)} tensor(s) the model config has no place for, first {left[0]}; "
                           f"check the model settings against the checkpoint's{_hint(left[0])}")
-    params = tree_unflatten_as(param_shapes(dataclasses.replace(cfg, scan_layers=False)), [leaves[name] for name in like])
+    params = tree_unflatten_as(shapes, [leaves[name] for name in like])
     return stack_layers(params) if cfg.scan_layers else params

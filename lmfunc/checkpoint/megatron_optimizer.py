@@ -105,7 +105,7 @@ def load_megatron_adam(path: str, cfg: ModelConfig) -> MegatronAdam:
     step = _common_step(read_common(directory))
     if step is None:
         return _unread(f"moments without a step count in {COMMON} (not read)")
-    weights = read_torch_dist_model(directory)
+    weights = read_torch_dist_model(directory) if cfg.moe_router_enable_expert_bias else {}  # the buffers' values
     source = f"{directory} (optimizer state)"
     mu, nu = (from_megatron_layers(_with_buffers(read_torch_dist_model(directory, prefix), weights, zero=True), cfg, source)
               for prefix in MOMENTS.values())

@@ -93,11 +93,11 @@ def build_mesh(sizes: dict[str, int], device: str | torch.device = "cpu") -> Lay
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device))
     mesh = init_device_mesh(device.type, tuple(size for _, size in used), mesh_dim_names=tuple(name for name, _ in used))
-    _compile_cache_by_groups(mesh)
+    _compile_cache_for_mesh(mesh)
     return Layout(resolved, mesh, device)
 
 
-def _compile_cache_by_groups(mesh: DeviceMesh) -> None:
+def _compile_cache_for_mesh(mesh: DeviceMesh) -> None:
     """Keep one Inductor cache directory for every rank of a 1-D mesh, and give each rank of a
     mesh with more dims its own.
 
@@ -108,8 +108,9 @@ def _compile_cache_by_groups(mesh: DeviceMesh) -> None:
     name, so the ranks share the directory a single process uses (its precompiled header and CPU
     checks included), and the ranks of one CPU host compile one after another
     (``lmfunc.compiler.compiling.host_compile_turn``), unless the dim is a pipeline's: a graph every
-    rank traces alike is compiled once and loaded from the cache by the others. A rank of a larger mesh keeps ``rank<r>/``, shared
-    with the same rank of other jobs, which its groups' names (hashes of their ranks) keep apart."""
+    rank traces alike is compiled once and loaded from the cache by the others. A rank of a larger
+    mesh keeps ``rank<r>/``, shared with the same rank of other jobs, which its groups' names
+    (hashes of their ranks) keep apart."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     base = cache_dir()
@@ -128,7 +129,7 @@ that is not a pipeline's, whose stages' graphs differ), or None."""
 
 def ranks_compile_in_turn() -> bool:
     """Whether this process's ranks trace alike and share the current Inductor cache directory, so
-    that compiling in turn lets all but one load each graph (``_compile_cache_by_groups``)."""
+    that compiling in turn lets all but one load each graph (``_compile_cache_for_mesh``)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return _COMPILING_IN_TURN[0] is not None and _COMPILING_IN_TURN[0] == cache_dir()
