@@ -50,20 +50,45 @@ def total_error(a, b) -> float:
     return float((flat[0] - flat[1]).norm() / flat[1].norm())
 
 
-def main() -> None:
-    fields = {k: int(v) for k, v in (item.split("=") for item in sys.argv[1].split(","))}
-    out_path, compiled, sp = sys.argv[2], "--compile" in sys.argv, "--sp" in sys.argv
-    layout = build_mesh(ParallelConfig(**fields).sizes(launched_world_size()))
-    cfg = dataclasses.replace(model_preset("tiny"), mtp_num_layers=int("--mtp" in sys.argv), sequence_parallel=sp,
-                              **(MOE_SETTINGS if "--moe" in sys.argv else {}),
-                              **({"moe_expert_capacity_factor": 4.0} if "--capacity" in sys.argv else {}),
-                              **(MLA_SETTINGS if "--mla" in sys.argv else {}))
-    tx = adamw(1e-3, weight_decay=0.1)
-    fp16 = "--fp16" in sys.argv
+@dataclasses.dataclass
+class WorkerRun:
+    """What a worker command line asks for: the layout, the model, the optimizer, the precision
+    settings of ``make_train_step`` and the 5 global batches."""
+
+    fields: dict
+    cfg: object
+    tx: object
+    precision: dict
+    batches: list
+
+    def local_batch(self, batch: dict, layout) -> dict:
+        """This rank's slice of a global batch, as DTensors on the layout's mesh."""
+        dp, rank = layout.data_parallel_size, data_parallel_rank(layout)
+        per = batch["tokens"].shape[1] // dp
+        local = {k: v[:, rank * per:(rank + 1) * per].contiguous() for k, v in batch.items()}
+        return local_batch_to_dtensor(local, layout.mesh)
+
+
+def worker_run(argv: list[str]) -> WorkerRun:
+    """The run ``argv`` (this script's arguments: LAYOUT OUT.json [flags]) describes."""
+    fields = {k: int(v) for k, v in (item.split("=") for item in argv[0].split(","))}
+    cfg = dataclasses.replace(model_preset("tiny"), mtp_num_layers=int("--mtp" in argv), sequence_parallel="--sp" in argv,
+                              **(MOE_SETTINGS if "--moe" in argv else {}),
+                              **({"moe_expert_capacity_factor": 4.0} if "--capacity" in argv else {}),
+                              **(MLA_SETTINGS if "--mla" in argv else {}))
+    fp16 = "--fp16" in argv
     precision = {"compute_dtype": torch.float16, "loss_scale": LossScaleConfig(initial_scale=2.0**15)} if fp16 else {}
-    scaling = precision.get("loss_scale")
-    first_seed = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--data-seed=")), 0)
+    first_seed = next((int(a.split("=")[1]) for a in argv if a.startswith("--data-seed=")), 0)
     batches = [lm_batch(cfg.vocab_size, microbatches=2, batch=4, seq=16, seed=first_seed + i) for i in range(5)]
+    return WorkerRun(fields, cfg, adamw(1e-3, weight_decay=0.1), precision, batches)
+
+
+def main() -> None:
+    run = worker_run(sys.argv[1:])
+    out_path, compiled = sys.argv[2], "--compile" in sys.argv
+    layout = build_mesh(ParallelConfig(**run.fields).sizes(launched_world_size()))
+    cfg, tx, precision, batches = run.cfg, run.tx, run.precision, run.batches
+    scaling = precision.get("loss_scale")
 
     reference = TrainState.create(model.init(cfg, seed=0), tx, loss_scale=scaling)
     reference_step = make_train_step(cfg, tx, compile=False, **precision)
@@ -77,16 +102,13 @@ def main() -> None:
     init_error = relative_errors(full_tensors(params), model.init(cfg, seed=0))
     step = make_train_step(cfg, tx, compile=compiled, **precision)  # Inductor with lmfunc's passes, bucketing included
     state = TrainState.create(params, tx, loss_scale=scaling)
-    dp, rank = layout.data_parallel_size, data_parallel_rank(layout)
     torch._dynamo.utils.counters.clear()
     losses, grad_norms = [], []
     for batch in batches:
-        per = batch["tokens"].shape[1] // dp
-        local = {k: v[:, rank * per:(rank + 1) * per].contiguous() for k, v in batch.items()}
-        state, metrics = step(state, local_batch_to_dtensor(local, layout.mesh))
+        state, metrics = step(state, run.local_batch(batch, layout))
         losses.append(float(metrics["loss"]))
         grad_norms.append(float(metrics["grad_norm"]))
-    one_step = lambda: step(state, local_batch_to_dtensor(local, layout.mesh))  # noqa: E731
+    one_step = lambda: step(state, run.local_batch(batches[-1], layout))  # noqa: E731
     collectives, elements = step_collectives(one_step) if compiled else (None, None)
     final = full_tensors(state.params)
     final_error = relative_errors(final, reference.params)

@@ -11,6 +11,7 @@ from lmfunc.config import ConfigError, model_preset
 from lmfunc.parallel.mesh import MESH_DIMS, check_divisibility, resolve_sizes
 from lmfunc.parallel.sharding import DEFAULT_RULES, placements_for
 from lmfunc.train.log import read_log
+from tests.dryrun_check import assert_dry_run_equals_measured
 
 
 
@@ -212,6 +213,7 @@ def test_compiled_step_over_dtensor_state_is_one_graph(tmp_path, torchrun):
     for got, want in zip(result["losses"], result["reference_losses"]):
         assert got == pytest.approx(want, rel=1e-5)
     assert result["final_error"] < 1e-5
+    assert_dry_run_equals_measured(result, ["dp_shard=2,tp=2", str(out), "--sp", "--compile"], 4)
 
 
 @pytest.mark.parametrize("layout, nproc", [("dp_shard=2", 2), pytest.param("dp_replicate=2", 2, marks=pytest.mark.slow),
@@ -249,6 +251,7 @@ def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(layout, npro
                                                                  loss_mask=True)
     if layout == "dp_shard=2":  # a 1-D mesh: the ranks share one compile cache and compile in turn (cold: one compiles)
         assert max(result["cache_hits"]) >= 1, result["cache_hits"]
+    assert_dry_run_equals_measured(result, [layout, str(out), "--compile"], nproc)
 
 
 def test_training_command_gives_the_same_losses_on_any_layout(tmp_path, torchrun):

@@ -146,14 +146,13 @@ def collective_kind(op_name: str) -> str:
 
 def step_collectives(call: Callable[[], object]) -> tuple[dict[str, int], dict[str, int]]:
     """The collectives ``call()`` issues on this rank, by kind, and the elements they send (the
-    first input's shape), from one profile's host events (``_c10d_functional`` ops; an ``_out``
+    first input's; a 0-dim tensor is one element), from one profile's host events (``_c10d_functional`` ops; an ``_out``
     variant counts as its op)."""
     counts, elements = Counter(), Counter()
     for event in _collective_events(call):
         kind = collective_kind(event.name)
-        shape = event.input_shapes[0] if event.input_shapes else []
         counts[kind] += 1
-        elements[kind] += math.prod(shape) if shape else 0
+        elements[kind] += math.prod(event.input_shapes[0]) if event.input_shapes else 0  # a 0-dim tensor's [] is 1
     return {kind: counts.get(kind, 0) for kind in KINDS}, {kind: elements.get(kind, 0) for kind in KINDS}
 
 

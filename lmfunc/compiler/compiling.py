@@ -113,6 +113,14 @@ of their rows) during the forward and holds them until the backward (docs/perfor
 "Expert parallelism, dropless")."""
 
 
+def options_for_graph(graph: torch.fx.GraphModule, options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor ``options`` for this step graph: with ``DATA_DEPENDENT_SIZE_OPTIONS`` added when a
+    node of it has a size known only at run time (an unbacked size)."""
+    if any(node.meta.get("unbacked_bindings") is not None for node in graph.graph.nodes):
+        return {**options, **DATA_DEPENDENT_SIZE_OPTIONS}
+    return options
+
+
 def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, Any]) -> Callable:
     """``torch._inductor.compile`` of ``graph`` for ``args`` after Dynamo's own tracing context is
     gone, in a fresh one: the arguments as static-shaped fake tensors of a fake mode with an
@@ -123,11 +131,9 @@ def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    data_dependent = False
+    options = options_for_graph(graph, options)
     for node in graph.graph.nodes:
-        data_dependent |= node.meta.pop("unbacked_bindings", None) is not None
-    if data_dependent:
-        options = {**options, **DATA_DEPENDENT_SIZE_OPTIONS}
+        node.meta.pop("unbacked_bindings", None)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with tracing(TracingContext(fake_mode)):
         fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]

@@ -22,7 +22,7 @@ from lmfunc.config.parallel import MESH_DIMS, check_divisibility, data_parallel_
 from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 
 __all__ = [
-    "MESH_DIMS", "Layout", "build_mesh", "check_divisibility", "data_parallel_rank", "launched_world_size", "resolve_sizes",
+    "MESH_DIMS", "Layout", "build_mesh", "named_mesh", "check_divisibility", "data_parallel_rank", "launched_world_size", "resolve_sizes",
 ]
 
 
@@ -86,15 +86,23 @@ def build_mesh(sizes: dict[str, int], device: str | torch.device = "cpu") -> Lay
     """
     world = launched_world_size()
     resolved = resolve_sizes({name: sizes.get(name, 1) for name in MESH_DIMS}, world)
-    used = [(name, size) for name, size in resolved.items() if size > 1]
     device = torch.device(device)
-    if not used:
+    if all(size == 1 for size in resolved.values()):
         return Layout(resolved, None, device)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device))
-    mesh = init_device_mesh(device.type, tuple(size for _, size in used), mesh_dim_names=tuple(name for name, _ in used))
+    mesh = named_mesh(resolved, device.type)
     _compile_cache_for_mesh(mesh)
     return Layout(resolved, mesh, device)
+
+
+def named_mesh(resolved: dict[str, int], device_type: str = "cpu") -> Optional[DeviceMesh]:
+    """The ``DeviceMesh`` over the initialised process group with a dim for each size above 1 of
+    ``resolved`` (``MESH_DIMS`` order, outermost first), or None when every size is 1."""
+    used = [(name, resolved[name]) for name in MESH_DIMS if resolved.get(name, 1) > 1]
+    if not used:
+        return None
+    return init_device_mesh(device_type, tuple(size for _, size in used), mesh_dim_names=tuple(name for name, _ in used))
 
 
 def _compile_cache_for_mesh(mesh: DeviceMesh) -> None:

@@ -6,7 +6,6 @@ Takes the same ``--config``, ``--preset`` and flags as ``python -m lmfunc.train`
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Optional, Sequence
 
@@ -20,32 +19,14 @@ with QK-norm, linear biases or learned positions; MoE with non-SwiGLU experts, l
 scan_layers) are planned with Megatron's formulas and marked "not trainable yet"."""
 
 
-def _world_size(cfg, given: Optional[int]) -> int:
-    """``--world-size``, or torchrun's world size when a parallel size is -1, or the product of the
-    parallel sizes given (an unset ``dp_shard`` counts 1)."""
-    from lmfunc.config.parallel import check_sizes
-    from lmfunc.parallel.mesh import launched_world_size
-
-    if given is not None:
-        if given < 1:
-            raise ConfigError(f"--world-size must be positive, got {given}")
-        return given
-    p = cfg.parallel
-    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
-    check_sizes(sizes)
-    if -1 in sizes.values():
-        return launched_world_size()
-    return math.prod(size for size in sizes.values() if size is not None)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    from lmfunc.plan.report import format_plan, make_plan
+    from lmfunc.plan.report import format_plan, make_plan, world_size_for
     from lmfunc.config.command_line import parse_config
 
     try:
         cfg, known = parse_config(argv, "python -m lmfunc.plan", DESCRIPTION, extra=[
             ("--world-size", dict(type=int, default=None))])
-        world_size = _world_size(cfg, known.world_size)
+        world_size = world_size_for(cfg, known.world_size)
         cfg = cfg.validate(world_size, planning=True)
         print(format_plan(make_plan(cfg, world_size)))
     except ConfigError as err:

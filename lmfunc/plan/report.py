@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lmfunc.config.model import unbuildable_features
+from lmfunc.config.model import ConfigError, unbuildable_features
+from lmfunc.config.parallel import check_sizes
 from lmfunc.config.train import TrainConfig
 from lmfunc.plan.megatron import MB, MegatronArgs, MegatronReport, megatron_report
 from lmfunc.plan.memory import MemoryPlan, predict_memory
@@ -53,6 +55,23 @@ def make_plan(cfg: TrainConfig, world_size: int) -> Plan:
             unpredicted = [f"parallel.pp = {sizes['pp']} with parallel.pp_schedule {cfg.parallel.pp_schedule}"]
     return Plan(world_size=world_size, sizes=sizes, megatron=megatron_report(MegatronArgs.from_config(cfg, world_size)),
                 lmfunc=prediction, untrainable=untrainable, unpredicted=unpredicted)
+
+
+def world_size_for(cfg: TrainConfig, given: Optional[int]) -> int:
+    """``--world-size``, or torchrun's world size when a parallel size is -1, or the product of the
+    parallel sizes given (an unset ``dp_shard`` counts 1)."""
+    from lmfunc.parallel.mesh import launched_world_size
+
+    if given is not None:
+        if given < 1:
+            raise ConfigError(f"--world-size must be positive, got {given}")
+        return given
+    p = cfg.parallel
+    sizes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
+    check_sizes(sizes)
+    if -1 in sizes.values():
+        return launched_world_size()
+    return math.prod(size for size in sizes.values() if size is not None)
 
 
 def _bytes(value: float) -> str:

@@ -36,7 +36,7 @@ from lmfunc.train.host_memory import keep_freed_host_memory
 from lmfunc.train.run_checkpoints import RunCheckpoints
 from lmfunc.train.run_lock import RunLock
 from lmfunc.train.log import RunLogger, WandbSettings, router_layer_values, run_announcement, step_extras, train_line
-from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
+from lmfunc.train.make_optimizer import run_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
 from lmfunc.train.timers import PhaseTimers, format_timers
 from lmfunc.train.from_megatron import megatron_start
@@ -47,7 +47,8 @@ from lmfunc.train.run_data import eval_batches, global_batch_part, run_datasets
 from lmfunc.train.signals import StopRequests
 from lmfunc.train.skipped_steps import first_step_overflow, mostly_skipped
 from lmfunc.train.state import TrainState
-from lmfunc.train.step import evaluate, make_eval_step, make_train_step
+from lmfunc.train.run_step import run_eval_step, run_train_step
+from lmfunc.train.step import evaluate
 
 
 @dataclasses.dataclass
@@ -184,15 +185,12 @@ class _Run:
     def _set_up_state_and_steps(self) -> None:
         cfg, run, plan, iters = self.cfg, self.cfg.run, self.plan, self.train_iters
         device = self.layout.device
-        schedule = build_lr_schedule(cfg, plan, iters, device=device)
-        decoupled = (build_lr_schedule(cfg, plan, iters, cfg.optim.decoupled_lr, cfg.optim.decoupled_min_lr, device)
-                     if cfg.optim.decoupled_lr is not None else None)
         self.pipe = pipe = pipeline_rank(cfg, self.layout)
         if pipe is not None:
             params = initial_rank_params(cfg, pipe, device, resuming=self.paths.load_step is not None)
         else:
             params = initial_params(cfg, self.layout, resuming=self.paths.load_step is not None)
-        tx = build_optimizer(cfg, schedule, params, decoupled)
+        tx, schedule = run_optimizer(cfg, plan, iters, params, device)
         loss_scale = cfg.precision.loss_scaling()
         dtype = compute_dtype(cfg.precision.compute_dtype)
         self.checkpoints = RunCheckpoints(cfg, self.paths.save_dir, self.logger)
@@ -214,15 +212,9 @@ class _Run:
         if pipe is not None:
             self._set_up_pipeline_steps(tx, schedule, loss_scale, dtype)
             return
-        precompile = run.precompile and self.layout.mesh is None
-        buckets = cfg.parallel.bucket_size_mb if cfg.parallel.bucket_collectives else None
-        self.train_step = make_train_step(
-            cfg.model, tx, clip_grad=cfg.optim.clip_grad, lr_schedule=schedule, compute_dtype=dtype,
-            loss_scale=loss_scale, calculate_per_token_loss=run.calculate_per_token_loss, compile=run.compile,
-            donate_state=True, precompile=precompile, bucket_size_mb=buckets,
-        )
-        self.eval_step = make_eval_step(cfg.model, compute_dtype=dtype, compile=run.compile, precompile=precompile,
-                                        bucket_size_mb=buckets)
+        on_mesh = self.layout.mesh is not None
+        self.train_step = run_train_step(cfg, tx, schedule, on_mesh)
+        self.eval_step = run_eval_step(cfg, on_mesh)
 
     def _set_up_pipeline_steps(self, tx, schedule, loss_scale, dtype) -> None:
         self.train_step, self.eval_step, description = pipeline_steps(

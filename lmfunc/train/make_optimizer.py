@@ -117,3 +117,14 @@ def build_optimizer(
         multi_transform(groups, labels),
     )
 
+
+
+def run_optimizer(cfg: TrainConfig, plan: BatchPlan, train_iters: int, params: PyTree,
+                  device: str | torch.device = "cpu") -> tuple[GradientTransformation, Schedule]:
+    """The run's optimizer over ``params`` and its main lr schedule (``build_lr_schedule``; with
+    ``optim.decoupled_lr`` a second schedule for the embedding and output layer)."""
+    optim = cfg.optim
+    schedule = build_lr_schedule(cfg, plan, train_iters, device=device)
+    decoupled = (build_lr_schedule(cfg, plan, train_iters, optim.decoupled_lr, optim.decoupled_min_lr, device)
+                 if optim.decoupled_lr is not None else None)
+    return build_optimizer(cfg, schedule, params, decoupled), schedule

@@ -14,6 +14,7 @@ import contextlib
 from typing import Callable, Mapping, Optional, Union
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
@@ -315,10 +316,13 @@ def write_into(old: PyTree, new: PyTree) -> PyTree:
 
 
 def _storage_key(leaf) -> Optional[tuple]:
-    """(device, storage address) of a donated leaf's (local) storage; None for other leaves and empty storage."""
+    """(device, storage address) of a donated leaf's (local) storage; None for other leaves, empty
+    storage and fake tensors (a dry run's state, ``lmfunc.dryrun``), which have no data."""
     if not _is_donated(leaf):
         return None
     local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+    if is_fake(local):
+        return None
     storage = local.untyped_storage()
     return (local.device, storage.data_ptr()) if storage.nbytes() else None
 

@@ -1,0 +1,86 @@
+"""``python -m lmfunc.dryrun``: trace the train step of a target world on this CPU and report each
+rank role's memory, collectives, FLOPs and projected step time, beside ``lmfunc.plan``'s numbers.
+
+Takes the same ``--config``, ``--preset`` and flags as ``python -m lmfunc.train``, plus the target:
+``--world-size N``, ``--gpus-per-node``, ``--gpu h100|h200`` and overrides of its numbers, and
+``--json PATH`` for the report as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional, Sequence
+
+from lmfunc.config.model import ConfigError
+
+DESCRIPTION = """Dry run: trace the step `python -m lmfunc.train` would run, for a target world of GPUs, on this
+CPU (fake tensors on a fake process group: nothing is allocated or sent), and report each rank role's
+peak memory, collectives (kind, mesh dims, count, bytes), FLOPs and a projected step time and MFU,
+beside lmfunc.plan's numbers. A layout that does not fit in the GPU's memory is refused (exit 2),
+as is every configuration the run would refuse at start-up. Layouts with pipeline parallelism are
+not traced yet."""
+
+TARGET_OPTIONS = [
+    ("--world-size", dict(type=int, default=None)),
+    ("--gpus-per-node", dict(type=int, default=8)),
+    ("--gpu", dict(default="h100")),
+    ("--peak-tflops", dict(type=float, default=None)),
+    ("--gpu-memory-gib", dict(type=float, default=None)),
+    ("--nvlink-gbps", dict(type=float, default=None)),
+    ("--network-gbps", dict(type=float, default=None)),
+    ("--json", dict(default=None)),
+]
+
+
+def role_name(sizes: dict[str, int]) -> str:
+    """The name of the one role a layout without a pipeline has: every rank traces the same step
+    (the experts' tokens spread evenly over the expert-parallel ranks)."""
+    return "every rank" + (" (experts' load evenly shared)" if sizes.get("ep", 1) > 1 else "")
+
+
+def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
+    """Parse ``argv``, trace, print the report and return it as JSON values."""
+    from lmfunc.config.command_line import parse_config
+    from lmfunc.dryrun.capture import trace_rank
+    from lmfunc.dryrun.report import check_fits, format_report, hardware, report_json, role_report
+    from lmfunc.plan.report import format_plan, make_plan, world_size_for
+
+    cfg, known = parse_config(argv, "python -m lmfunc.dryrun", DESCRIPTION, extra=TARGET_OPTIONS)
+    world = world_size_for(cfg, known.world_size)
+    cfg = cfg.validate(world)
+    if known.gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be positive, got {known.gpus_per_node}")
+    sizes = cfg.parallel.sizes(world)
+    if sizes["pp"] > 1:
+        raise ConfigError(f"parallel.pp is {sizes['pp']}: the dry run does not trace pipeline stages yet; "
+                          "dry-run the layout with parallel.pp 1 and the same other sizes, or use python -m lmfunc.plan")
+    hw = hardware(known.gpu, cfg.precision.compute_dtype, cfg.precision.tf32, known.gpus_per_node,
+                  None if known.peak_tflops is None else known.peak_tflops * 1e12,
+                  None if known.gpu_memory_gib is None else known.gpu_memory_gib * 2**30,
+                  None if known.nvlink_gbps is None else known.nvlink_gbps * 1e9,
+                  None if known.network_gbps is None else known.network_gbps * 1e9)
+    plan = make_plan(cfg, world)
+    print(format_plan(plan))
+    step = trace_rank(cfg, world, rank=0)
+    report = role_report(role_name(sizes), step, hw, plan.lmfunc.peak if plan.lmfunc else None,
+                         plan.megatron.flops_per_iteration / world)
+    print(format_report(report, hw))
+    result = {"world_size": world, "sizes": sizes, "roles": [report_json(report, hw)]}
+    if known.json:
+        with open(known.json, "w") as f:
+            json.dump(result, f, indent=1)
+    check_fits(report, hw)
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    try:
+        dry_run(argv)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

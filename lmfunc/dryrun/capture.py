@@ -1,0 +1,208 @@
+"""The step graph of one rank of a target world, traced and never run.
+
+The trainer's own step (``lmfunc.train.run_step.run_train_step``, the same optimizer, loss scaling,
+clipping and bucketing) is called on state made of fake tensors (``FakeTensorMode``: shapes,
+dtypes and placements, no data) over the run's mesh on a fake process group
+(``lmfunc.dryrun.world``). Dynamo traces it as it would for the run; its backend hands the graph to
+Inductor with lmfunc's options (``lmfunc.compiler.compiling``), and Inductor runs AOTAutograd,
+every post-grad pass (lmfunc's recompute, slice-copy, scan and collective-bucketing passes
+included), its lowering and its scheduler (fusion, reordering). The capture stops there, before
+code generation: the graph is the one Inductor would compile, with the collectives it would
+issue, and the scheduler's buffers are the ones the compiled step would allocate."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB
+from lmfunc.compiler.compiling import compile_settings, inductor_options, options_for_graph
+from lmfunc.config.train import TrainConfig
+from lmfunc.data.batch import lm_batch
+from lmfunc.dryrun.world import fake_world, group_dims, mesh_of
+from lmfunc.parallel.mesh import Layout
+from lmfunc.parallel.sharding import local_batch_to_dtensor
+from lmfunc.train.batch_plan import BatchPlan
+from lmfunc.train.make_optimizer import run_optimizer
+from lmfunc.train.params import init_params
+from lmfunc.train.run_step import run_train_step
+from lmfunc.train.state import TrainState
+
+
+class _Captured(Exception):
+    """Raised where the capture ends, so that nothing is lowered, compiled or run."""
+
+
+@dataclasses.dataclass
+class CapturedStep:
+    """One rank's train step as Inductor would compile it."""
+
+    graph: torch.fx.GraphModule
+    """After AOTAutograd and Inductor's post-grad passes."""
+    inputs: list
+    """The graph's example inputs (fake tensors, the state's and the batch's local shards)."""
+    scheduled: ScheduledMemory
+    group_dims: dict[str, str]
+    """Process group name -> the mesh dims it spans (``lmfunc.dryrun.world.group_dims``)."""
+    dims_ranks: dict[str, list[int]]
+    """Mesh dims (as in ``group_dims``) -> the ranks of this rank's group over them."""
+    sizes: dict[str, int]
+    rank: int
+    microbatches: int
+    trace_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledMemory:
+    """Inductor's own account of the step's buffers (``torch._inductor.memory``), in the order its
+    scheduler runs them after fusion: what the compiled step would allocate beyond its inputs."""
+
+    peak: int
+    """Bytes of the buffers live at the peak (the graph's inputs not counted)."""
+    at_step: int
+    """The scheduled (fused) node at which the peak is reached, of ``steps``."""
+    steps: int
+    largest: list[tuple[str, int]]
+    """The largest buffers live at the peak: (buffer name and the ops it holds, bytes)."""
+
+
+def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
+    """``ScheduledMemory`` of a ``GraphLowering`` whose scheduler has been built."""
+    from torch._inductor.memory import compute_memory_timeline, peak_memory_from_buf_info_list, prepare_planning_info
+    from torch.utils._ordered_set import OrderedSet
+
+    scheduler = lowering.scheduler
+    nodes, outputs = scheduler.nodes, OrderedSet(lowering.get_output_names())
+    _, freeable = prepare_planning_info(nodes, scheduler.name_to_buf, scheduler.name_to_fused_node, OrderedSet(), outputs)
+    infos, _, _ = compute_memory_timeline(nodes, freeable, outputs)
+    peak, per_step = peak_memory_from_buf_info_list(infos, len(nodes))
+    at = max(range(len(per_step)), key=per_step.__getitem__) if per_step else 0
+    live = [info for info in infos if info.start_step <= at and (info.end_step == -1 or info.end_step >= at)]
+    live.sort(key=lambda info: -info.size_alloc)
+
+    def name(info) -> str:
+        buffer = info.buffer
+        origins = getattr(getattr(buffer, "node", None), "origins", None) or ()
+        ops = sorted({str(getattr(o, "target", o)) for o in origins})[:3]
+        return f"{buffer.get_name()} ({', '.join(ops)})" if ops else buffer.get_name()
+
+    return ScheduledMemory(peak, at, len(nodes), [(name(info), info.size_alloc) for info in live[:largest]])
+
+
+@contextlib.contextmanager
+def _stop_at_code_generation(sink: list) -> Iterator[None]:
+    """While inside: Inductor lowers a graph and schedules it (fusion and Inductor's reordering, as
+    when it compiles), then, instead of generating code, puts (the post-grad graph, its example
+    inputs, ``ScheduledMemory``) in ``sink`` and raises ``_Captured``."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    def codegen(lowering):
+        lowering.init_wrapper_code()
+        lowering._update_scheduler()
+        sink.append((lowering.orig_gm, list(lowering.example_inputs), _scheduled_memory(lowering)))
+        raise _Captured()
+
+    with mock.patch.object(GraphLowering, "codegen", codegen):
+        yield
+
+
+NO_COMPILE_CACHES = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
+"""Inductor options of a dry run: a graph found in the compile cache would skip the passes and
+the lowering the capture reads."""
+
+
+def capturing_backend(sink: list, bucket_size_mb: Optional[float]) -> Callable:
+    """A Dynamo backend that runs the step's graph through Inductor with the options lmfunc
+    compiles every step with (``inductor_options``, ``compile_settings``): AOTAutograd, the
+    post-grad passes, lowering and scheduling, and stops before code generation; the step it
+    returns raises ``_Captured`` instead of running."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.exc import InductorError
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        options = {**options_for_graph(graph, inductor_options(True, bucket_size_mb)), **NO_COMPILE_CACHES}
+        try:
+            with compile_settings(), torch._functorch.config.patch(enable_autograd_cache=False), \
+                    _stop_at_code_generation(sink):
+                compile_fx(graph, example_inputs, config_patches=options)
+        except _Captured:
+            pass
+        except InductorError as error:  # Inductor wraps what its compile raises
+            if not isinstance(error.inner_exception, _Captured):
+                raise
+
+        def stopped(*args):
+            raise _Captured()
+
+        return stopped
+
+    return backend
+
+
+def fake_batch(cfg: TrainConfig, microbatches: int, layout: Layout) -> dict:
+    """A batch of the run's fields and this rank's shapes (``[M, micro, S]``; DTensors of the global
+    batch on a mesh), as ``lmfunc.train.run_data.global_batch_part`` makes it; the values are
+    zeros (only shapes are traced)."""
+    d = cfg.data
+    samples = torch.zeros(microbatches, cfg.run.micro_batch_size, d.seq_length + 1, dtype=torch.int64)
+    batch = lm_batch(samples, -1, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss, None)
+    return local_batch_to_dtensor(batch, layout.mesh) if layout.mesh is not None else batch
+
+
+StepInputs = Callable[[Layout, Callable], tuple[Callable, Any, dict]]
+"""``make(layout, backend) -> (step, state, batch)``: a step function compiled with ``backend`` and
+the state and batch to call it with, made on ``layout`` (inside ``FakeTensorMode``)."""
+
+
+def trace(world_size: int, rank: int, sizes: dict[str, int], make: StepInputs,
+          bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB, microbatches: int = 1) -> CapturedStep:
+    """The graph of the step ``make`` builds for ``rank`` of a world of ``world_size`` ranks with the
+    mesh ``sizes`` (resolved), traced on fake tensors and a fake process group: nothing is
+    allocated but the trace's own memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    began = time.perf_counter()
+    with fake_world(world_size, rank):
+        mesh: Optional[DeviceMesh] = mesh_of(sizes)
+        layout = Layout(dict(sizes), mesh)
+        sink: list = []
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            step, state, batch = make(layout, capturing_backend(sink, bucket_size_mb))
+            try:
+                step(state, batch)
+            except _Captured:
+                pass
+        if not sink:
+            raise RuntimeError("the dry run's trace ended before Inductor's post-grad passes; was the step compiled "
+                               "with the backend it was given?")
+        graph, inputs, scheduled = sink[-1]
+        return CapturedStep(graph, inputs, scheduled, *group_dims(mesh), dict(sizes), rank, microbatches,
+                            time.perf_counter() - began)
+
+
+def trace_rank(cfg: TrainConfig, world_size: int, rank: int = 0) -> CapturedStep:
+    """The train step ``python -m lmfunc.train`` runs for ``cfg`` (validated for ``world_size``) on
+    ``rank`` of a world of ``world_size`` ranks (``lmfunc.train.run_step.run_train_step``, compiled),
+    traced (``trace``)."""
+    run = cfg.run
+    sizes = cfg.parallel.sizes(world_size)
+    plan = BatchPlan.from_config(run, Layout(sizes, None).data_parallel_size)
+    microbatches = plan.num_microbatches_at(0)
+    train_iters = run.train_iters if run.train_iters is not None else plan.train_iters_for_samples(run.train_samples)
+
+    def make(layout: Layout, backend: Callable) -> tuple[Callable, Any, dict]:
+        params = init_params(cfg.model, layout.mesh, seed=run.seed)
+        tx, schedule = run_optimizer(cfg, plan, train_iters, params)
+        state = TrainState.create(params, tx, seed=run.seed, loss_scale=cfg.precision.loss_scaling())
+        step = run_train_step(cfg, tx, schedule, layout.mesh is not None, backend=backend, compile=True)
+        return step, state, fake_batch(cfg, microbatches, layout)
+
+    buckets = cfg.parallel.bucket_size_mb if cfg.parallel.bucket_collectives else None
+    return trace(world_size, rank, sizes, make, buckets, microbatches)

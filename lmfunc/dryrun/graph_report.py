@@ -1,0 +1,188 @@
+"""What one rank's captured step graph does, read from the graph alone: its collectives (kind, mesh
+dims, count, bytes sent), its FLOPs and its peak memory.
+
+- Collectives: every functional collective node (``torch.ops._c10d_functional``), by kind (an
+  ``_out`` or in-place variant counts as its collective) and by the mesh dims of its process group;
+  the bytes are the first input's, what this rank hands the collective (as the comm report of a
+  real run counts them). A size known only at run time (expert parallelism's token exchange) is
+  counted as a collective with unknown bytes.
+- FLOPs: torch's FLOP formulas (``torch.utils.flop_counter``: matmuls, attention, convolutions)
+  applied to each node's shapes; a ``scan``'s body counts once per iteration.
+- Memory: the inputs (parameters, optimizer state, batch), live throughout, plus the peak of the
+  buffers Inductor's scheduler allocates, in its order, after fusion (``capture.ScheduledMemory``,
+  Inductor's own estimate, ``torch._inductor.memory``): a fused kernel's temporaries never exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+from typing import Iterator, Optional
+
+import torch
+from torch import fx
+
+from lmfunc.dryrun.capture import CapturedStep
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveUse:
+    kind: str
+    dims: str
+    count: int
+    elements: Optional[int]
+    """Elements this rank hands the collectives in one step; None when a size is known only at run time."""
+    bytes: Optional[int]
+
+
+def _subgraphs(node: fx.Node, module: fx.GraphModule) -> list[tuple[fx.GraphModule, int]]:
+    """The graphs a higher-order op node runs, with how many times each runs per call (a scan's
+    length; 1 for other operators)."""
+    found = []
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            sub = getattr(module, arg.target, None)
+            if isinstance(sub, fx.GraphModule):
+                found.append(sub)
+    if not found:
+        return []
+    times = 1
+    if node.target is torch.ops.higher_order.scan:
+        xs = node.args[2]
+        first = xs[0] if isinstance(xs, (list, tuple)) and xs else None
+        if isinstance(first, fx.Node) and isinstance(first.meta.get("val"), torch.Tensor):
+            times = _concrete(first.meta["val"].shape[0]) or 1
+    return [(sub, times) for sub in found]
+
+
+def walk(module: fx.GraphModule, times: int = 1) -> Iterator[tuple[fx.Node, int]]:
+    """Every call node of ``module`` and of the graphs its higher-order ops run, with how many
+    times it runs per step."""
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        yield node, times
+        for sub, n in _subgraphs(node, module):
+            yield from walk(sub, times * n)
+
+
+def _concrete(value) -> Optional[int]:
+    try:
+        return int(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _elements(value) -> Optional[int]:
+    return _concrete(value.numel()) if isinstance(value, torch.Tensor) else 0
+
+
+def _tensor_bytes(value) -> Optional[int]:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = _concrete(value.numel())
+    return None if numel is None else numel * value.element_size()
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+            and not target._opname.startswith("wait"))
+
+
+def collective_kind(target: torch._ops.OpOverload) -> str:
+    """``all_reduce`` for ``all_reduce``, ``all_reduce_`` and ``..._out``."""
+    return target._opname.removesuffix("_out").rstrip("_")
+
+
+def _argument(node: fx.Node, name: str):
+    schema = node.target._schema
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == name:
+            return node.args[index] if index < len(node.args) else node.kwargs.get(name)
+    return None
+
+
+def collectives(step: CapturedStep) -> list[CollectiveUse]:
+    """The step's collectives on this rank, grouped by (kind, mesh dims)."""
+    counts: Counter = Counter()
+    sent: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0])
+    for node, times in walk(step.graph):
+        if not _is_collective(node):
+            continue
+        group = _argument(node, "group_name")
+        key = (collective_kind(node.target), step.group_dims.get(group, str(group)))
+        counts[key] += times
+        first = node.args[0]
+        values = [v.meta.get("val") for v in (first if isinstance(first, (list, tuple)) else [first])
+                  if isinstance(v, fx.Node)]
+        for slot, size in enumerate((_elements, _tensor_bytes)):
+            amounts = [size(v) for v in values]
+            total = sent[key][slot]
+            sent[key][slot] = None if total is None or None in amounts else total + times * sum(amounts)
+    return [CollectiveUse(kind, dims, n, *sent[(kind, dims)]) for (kind, dims), n in sorted(counts.items())]
+
+
+def _vals(args):
+    return torch.utils._pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, args)
+
+
+def _attention_flops(node: fx.Node) -> Optional[object]:
+    """FLOPs of a fused attention op (any ``scaled_dot_product``/``flash``/``efficient`` attention,
+    forward or backward; None for other ops), counted as Megatron counts them: the scores and the
+    weighted values, ``2 B H Sq Sk (Dqk + Dv)`` in the forward and twice that in the backward, half
+    of it with a causal mask (the scores above the diagonal are never needed)."""
+    target = node.target
+    name = getattr(target, "_opname", "")
+    if not ("scaled_dot_product" in name or name.startswith(("_flash_attention", "_efficient_attention"))):
+        return None
+    query, key, value, causal = (_argument(node, field) for field in ("query", "key", "value", "is_causal"))
+    if not all(isinstance(x, fx.Node) for x in (query, key, value)):
+        return None
+    q, k, v = (x.meta["val"].shape for x in (query, key, value))
+    batch_heads = q[0] * q[1]  # [B, H, S, D]
+    forward = 2 * batch_heads * q[2] * k[2] * (q[3] + v[3])
+    return forward * (2 if "backward" in name else 1) / (2 if causal else 1)
+
+
+def flops(step: CapturedStep) -> tuple[int, int]:
+    """(FLOPs of one step on this rank, number of ops whose FLOPs depend on sizes known only at run
+    time and are left out). Matmuls and convolutions by torch's formulas
+    (``torch.utils.flop_counter``), fused attention by ``_attention_flops``."""
+    from torch.utils.flop_counter import flop_registry
+
+    total, unknown = 0, 0
+    for node, times in walk(step.graph):
+        target = node.target
+        packet = getattr(target, "overloadpacket", None)
+        count = _attention_flops(node)
+        if count is None and packet in flop_registry:
+            count = flop_registry[packet](*_vals(node.args), **_vals(node.kwargs), out_val=node.meta.get("val"))
+        if count is None:
+            continue
+        value = _concrete(count)
+        if value is None:
+            unknown += times
+        else:
+            total += times * value
+    return total, unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    peak: int
+    """Bytes live at the step's peak: its inputs plus the buffers Inductor's schedule holds there."""
+    inputs: int
+    """The graph's inputs: parameters, optimizer state, loss scaler, batch (this rank's shards)."""
+    at_node: str
+    """Where in Inductor's schedule the peak is reached."""
+    largest: list[tuple[str, int]]
+    """The largest buffers live at the peak: (name and ops, bytes)."""
+
+
+def memory(step: CapturedStep) -> MemoryReport:
+    """Peak bytes of the compiled step (module docstring)."""
+    inputs = sum(_tensor_bytes(value) or 0 for value in step.inputs)
+    scheduled = step.scheduled
+    return MemoryReport(inputs + scheduled.peak, inputs, f"scheduled node {scheduled.at_step} of {scheduled.steps}",
+                        scheduled.largest)

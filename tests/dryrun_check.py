@@ -1,0 +1,48 @@
+"""The dry run (``lmfunc.dryrun``) of a ``tests/parallel_worker.py`` run, to hold against what that
+run measured."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+from lmfunc.config.parallel import ParallelConfig
+from lmfunc.dryrun import CapturedStep, collectives, trace
+from lmfunc.train import TrainState, make_train_step
+from lmfunc.train.params import init_params
+from tests.parallel_worker import worker_run
+
+
+def dry_run_of_worker(argv: list[str], world_size: int, gloo: bool = True) -> CapturedStep:
+    """Rank 0's compiled step of the worker run ``argv`` (LAYOUT OUT.json [flags]) in a world of
+    ``world_size``, traced on a fake process group. ``gloo``: lower the bucketed reduce-scatters as
+    the collective pass does on gloo (an all-to-all and a sum), as in the measured run."""
+    run = worker_run(argv)
+    sizes = ParallelConfig(**run.fields).sizes(world_size)
+
+    def make(layout, backend):
+        state = TrainState.create(init_params(run.cfg, layout.mesh, seed=0), run.tx,
+                                  loss_scale=run.precision.get("loss_scale"))
+        step = make_train_step(run.cfg, run.tx, compile=True, backend=backend, **run.precision)
+        return step, state, run.local_batch(run.batches[-1], layout)
+
+    with mock.patch("lmfunc.compiler.collective_buckets._on_gloo", return_value=gloo):
+        return trace(world_size, 0, sizes, make, microbatches=2)
+
+
+def assert_dry_run_equals_measured(result: dict, argv: list[str], world_size: int) -> None:
+    """The dry run's collectives, counted per kind over every mesh dim, and the elements they send
+    equal those the compiled run measured on rank 0 (``result["collectives"]``, ``["elements"]``);
+    a kind whose sizes are known only at run time (the experts' token exchange) is held to its
+    count."""
+    counts, elements = {}, {}
+    for use in collectives(dry_run_of_worker(argv, world_size)):
+        counts[use.kind] = counts.get(use.kind, 0) + use.count
+        if use.elements is None or elements.get(use.kind, 0) is None:
+            elements[use.kind] = None
+        else:
+            elements[use.kind] = elements.get(use.kind, 0) + use.elements
+    measured = {k: v for k, v in result["collectives"].items() if v}
+    assert counts == measured, (counts, measured)
+    for kind, sent in elements.items():
+        if sent is not None:
+            assert sent == result["elements"][kind], (kind, sent, result["elements"][kind])

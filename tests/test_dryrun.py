@@ -1,0 +1,58 @@
+"""``python -m lmfunc.dryrun``: the trainer's step for a target world traced on fake tensors and a fake
+process group. Against real runs: tests/test_parallel.py holds the dry run's collectives and their
+elements to those its compiled runs measured (``tests.dryrun_check``)."""
+
+import json
+
+import pytest
+
+from lmfunc.config import ConfigError, model_preset
+from lmfunc.dryrun.__main__ import dry_run
+from lmfunc.plan.report import make_plan
+from lmfunc.config.command_line import parse_config
+
+TINY = ["--preset", "tiny", "--run.micro-batch-size", "2", "--run.global-batch-size", "8", "--data.seq-length", "64"]
+TINY_FSDP = [*TINY, "--parallel.dp-shard", "2", "--world-size", "2", "--gpus-per-node", "1"]
+
+
+@pytest.fixture(scope="module")
+def refused_fsdp_run(tmp_path_factory):
+    """The tiny model on dp_shard 2, one GPU per node, on a GPU of 1 MiB: the report is printed
+    and written, then the layout is refused as out of memory."""
+    out = tmp_path_factory.mktemp("dryrun") / "report.json"
+    with pytest.raises(ConfigError) as refused:
+        dry_run(TINY_FSDP + ["--gpu-memory-gib", str(1 / 1024), "--json", str(out)])
+    return json.loads(out.read_text()), str(refused.value)
+
+
+def test_fsdp_dry_run_gives_the_bucketed_collectives_and_megatrons_flops(refused_fsdp_run):
+    """One gather and one reduce-scatter per region and microbatch, over dp_shard, across nodes (one
+    GPU per node); the FLOPs on the graph equal Megatron's count for the rank's share of the batch."""
+    from experiments.bench.comm import expected_compiled_counts
+
+    report, _ = refused_fsdp_run
+    role = report["roles"][0]
+    counts = {c["kind"]: c["count"] for c in role["collectives"]}
+    want = expected_compiled_counts(model_preset("tiny"), {"dp_shard": 2}, microbatches=2, loss_mask=True, gloo=False)
+    assert counts == {k: v for k, v in want.items() if v}
+    assert {(c["dims"], c["group_size"], c["link"]) for c in role["collectives"]} == {("dp_shard", 2, "network")}
+    cfg, _ = parse_config(TINY_FSDP[:-4], "x", "x")
+    assert role["flops"] == make_plan(cfg.validate(2), 2).megatron.flops_per_iteration / 2
+    projection = role["projection"]
+    assert projection["step_seconds"] >= projection["compute_seconds"] > 0 and 0 < projection["mfu"] <= 1
+    assert role["memory"]["peak_bytes"] > role["memory"]["input_bytes"] > 0
+
+
+def test_a_layout_that_does_not_fit_is_refused_naming_the_role_and_its_largest_term(refused_fsdp_run):
+    _, message = refused_fsdp_run
+    assert "out of memory on rank role 'every rank' (rank 0)" in message and "the largest term is" in message
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parallel.pp", "2", "--world-size", "2"], "does not trace pipeline stages yet"),
+    (["--parallel.dp-shard", "2", "--world-size", "4"], "do not multiply to the world size 4"),
+    (["--world-size", "1", "--gpu", "a100"], "--gpu must be one of"),
+])
+def test_what_the_run_would_refuse_is_refused_before_tracing(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        dry_run([*TINY, *flags])
