@@ -56,3 +56,21 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_role_and_its_largest_t
 def test_what_the_run_would_refuse_is_refused_before_tracing(flags, message):
     with pytest.raises(ConfigError, match=message):
         dry_run([*TINY, *flags])
+
+
+@pytest.mark.slow  # eight traces of the tiny model: about two minutes
+def test_an_extrapolated_step_equals_the_whole_step_traced():
+    """4 layers x 4 microbatches on dp_shard 2: the numbers extrapolated from 1-3 layers and 1-3
+    microbatches equal those of the whole step traced at once (collectives and FLOPs exactly,
+    the peak within the extrapolation's tolerance)."""
+    from lmfunc.dryrun import dry_run_facts, step_facts, trace_rank
+    from lmfunc.dryrun.extrapolate import MEMORY_TOLERANCE
+
+    cfg, _ = parse_config([*TINY, "--model.num-layers", "4", "--run.global-batch-size", "16",
+                           "--parallel.dp-shard", "2"], "x", "x")
+    cfg = cfg.validate(2)
+    extrapolated, whole = dry_run_facts(cfg, 2), step_facts(trace_rank(cfg, 2))
+    assert "extrapolated to 4 layers and 4 microbatches" in extrapolated.traced
+    assert extrapolated.collectives == whole.collectives and extrapolated.flops == whole.flops
+    assert extrapolated.memory.inputs == whole.memory.inputs
+    assert extrapolated.memory.peak == pytest.approx(whole.memory.peak, rel=MEMORY_TOLERANCE)

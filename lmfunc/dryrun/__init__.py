@@ -2,8 +2,9 @@
 and a fake process group, and what it would hold, send and compute (``python -m lmfunc.dryrun``)."""
 
 from lmfunc.dryrun.capture import CapturedStep, trace, trace_rank
-from lmfunc.dryrun.graph_report import collectives, flops, memory
+from lmfunc.dryrun.extrapolate import dry_run_facts
+from lmfunc.dryrun.graph_report import StepFacts, collectives, flops, memory, step_facts
 from lmfunc.dryrun.report import Hardware, RoleReport, hardware, role_report
 
-__all__ = ["CapturedStep", "Hardware", "RoleReport", "collectives", "flops", "hardware", "memory", "role_report",
-           "trace", "trace_rank"]
+__all__ = ["CapturedStep", "Hardware", "RoleReport", "StepFacts", "collectives", "dry_run_facts", "flops", "hardware",
+           "memory", "role_report", "step_facts", "trace", "trace_rank"]

@@ -42,7 +42,7 @@ def role_name(sizes: dict[str, int]) -> str:
 def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
     """Parse ``argv``, trace, print the report and return it as JSON values."""
     from lmfunc.config.command_line import parse_config
-    from lmfunc.dryrun.capture import trace_rank
+    from lmfunc.dryrun.extrapolate import dry_run_facts
     from lmfunc.dryrun.report import check_fits, format_report, hardware, report_json, role_report
     from lmfunc.plan.report import format_plan, make_plan, world_size_for
 
@@ -62,8 +62,7 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
                   None if known.network_gbps is None else known.network_gbps * 1e9)
     plan = make_plan(cfg, world)
     print(format_plan(plan))
-    step = trace_rank(cfg, world, rank=0)
-    report = role_report(role_name(sizes), step, hw, plan.lmfunc.peak if plan.lmfunc else None,
+    report = role_report(role_name(sizes), dry_run_facts(cfg, world, rank=0), hw, plan.lmfunc.peak if plan.lmfunc else None,
                          plan.megatron.flops_per_iteration / world)
     print(format_report(report, hw))
     result = {"world_size": world, "sizes": sizes, "roles": [report_json(report, hw)]}

@@ -186,3 +186,25 @@ def memory(step: CapturedStep) -> MemoryReport:
     scheduled = step.scheduled
     return MemoryReport(inputs + scheduled.peak, inputs, f"scheduled node {scheduled.at_step} of {scheduled.steps}",
                         scheduled.largest)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFacts:
+    """What a rank's step holds, sends and computes: read off one captured step (``step_facts``)
+    or extrapolated from several (``lmfunc.dryrun.extrapolate``)."""
+
+    collectives: list[CollectiveUse]
+    flops: int
+    flops_unknown_ops: int
+    memory: MemoryReport
+    dims_ranks: dict[str, list[int]]
+    rank: int
+    trace_seconds: float
+    traced: str
+    """How the numbers were obtained (the traced depth and microbatches, and any extrapolation)."""
+
+
+def step_facts(step: CapturedStep, traced: str = "the whole step traced") -> StepFacts:
+    total, unknown = flops(step)
+    return StepFacts(collectives(step), total, unknown, memory(step), step.dims_ranks, step.rank,
+                     step.trace_seconds, traced)

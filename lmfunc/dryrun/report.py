@@ -20,8 +20,7 @@ import dataclasses
 from typing import Optional
 
 from lmfunc.config.model import ConfigError
-from lmfunc.dryrun.capture import CapturedStep
-from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, collectives, flops, memory
+from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts
 from lmfunc.metrics import table_peak_flops
 
 GiB = 2**30
@@ -87,6 +86,7 @@ class RoleReport:
     role: str
     rank: int
     trace_seconds: float
+    traced: str
     memory: MemoryReport
     collectives: list[CollectiveTime]
     flops: int
@@ -106,13 +106,12 @@ class RoleReport:
         return self.model_flops / (self.step_seconds * hw.peak_flops)
 
 
-def role_report(role: str, step: CapturedStep, hw: Hardware, plan_peak: Optional[int], plan_flops: float) -> RoleReport:
-    """The report of the captured ``step`` of one role on ``hw`` (module docstring)."""
-    total, unknown = flops(step)
-    compute = total / hw.peak_flops
+def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[int], plan_flops: float) -> RoleReport:
+    """The report of one role's step ``facts`` on ``hw`` (module docstring)."""
+    compute = facts.flops / hw.peak_flops
     times, data_parallel, exposed = [], 0.0, 0.0
-    for use in collectives(step):
-        ranks = step.dims_ranks.get(use.dims, [])
+    for use in facts.collectives:
+        ranks = facts.dims_ranks.get(use.dims, [])
         nodes = {rank // hw.gpus_per_node for rank in ranks}
         link = "nvlink" if len(nodes) <= 1 else "network"
         bandwidth = hw.nvlink_bytes_per_s if link == "nvlink" else hw.network_bytes_per_s
@@ -125,8 +124,8 @@ def role_report(role: str, step: CapturedStep, hw: Hardware, plan_peak: Optional
         else:
             exposed += seconds or 0.0
     exposed += max(0.0, data_parallel - compute)
-    return RoleReport(role, step.rank, step.trace_seconds, memory(step), times, total, unknown, plan_flops,
-                      compute, exposed, plan_peak, plan_flops)
+    return RoleReport(role, facts.rank, facts.trace_seconds, facts.traced, facts.memory, times, facts.flops,
+                      facts.flops_unknown_ops, plan_flops, compute, exposed, plan_peak, plan_flops)
 
 
 def check_fits(report: RoleReport, hw: Hardware) -> None:
@@ -152,7 +151,7 @@ def _percent(got: float, want: Optional[float]) -> str:
 def format_report(report: RoleReport, hw: Hardware) -> str:
     """The role's report as text, with ``lmfunc.plan``'s numbers beside the dry run's."""
     mem = report.memory
-    lines = [f"rank role '{report.role}' (rank {report.rank}; traced in {report.trace_seconds:.1f} s)",
+    lines = [f"rank role '{report.role}' (rank {report.rank}; {report.traced}, in {report.trace_seconds:.1f} s)",
              f"  memory: peak {_gib(mem.peak)} (plan {_gib(report.plan_peak)}, "
              f"{_percent(mem.peak, report.plan_peak)}); the step's inputs (params, optimizer state, batch) "
              f"{_gib(mem.inputs)}; at node {mem.at_node}"]
@@ -186,7 +185,7 @@ def report_json(report: RoleReport, hw: Hardware) -> dict:
     """The role's report as plain JSON values."""
     mem = report.memory
     return {
-        "role": report.role, "rank": report.rank, "trace_seconds": report.trace_seconds,
+        "role": report.role, "rank": report.rank, "trace_seconds": report.trace_seconds, "traced": report.traced,
         "memory": {"peak_bytes": mem.peak, "input_bytes": mem.inputs, "at_node": mem.at_node,
                    "largest": [{"buffer": n, "bytes": b} for n, b in mem.largest],
                    "plan_peak_bytes": report.plan_peak},

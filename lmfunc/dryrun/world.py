@@ -21,11 +21,25 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise ConfigError("a dry run starts its own (fake) process group: run it as one process, not under torchrun")
+    _forget_meshes()
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's caches of sharding decisions. They are keyed by mesh equality (shape, ranks,
+    dim names), so a mesh of an earlier (fake) world that equals this one would hand its destroyed
+    process groups to the next trace."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
+
+    _clear_python_sharding_prop_cache()
+    _clear_fast_path_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
 
 
 def mesh_of(sizes: dict[str, int]) -> Optional[DeviceMesh]:
