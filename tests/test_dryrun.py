@@ -74,3 +74,22 @@ def test_an_extrapolated_step_equals_the_whole_step_traced():
     assert extrapolated.collectives == whole.collectives and extrapolated.flops == whole.flops
     assert extrapolated.memory.inputs == whole.memory.inputs
     assert extrapolated.memory.peak == pytest.approx(whole.memory.peak, rel=MEMORY_TOLERANCE)
+
+
+def test_every_readme_dry_run_command_is_a_valid_config():
+    """The README's ``lmfunc.dryrun`` commands parse and validate for their world (nothing traced:
+    docs/scale_out.md shows the output of the Llama-3-8B one)."""
+    import os
+    import shlex
+
+    from lmfunc.dryrun.__main__ import TARGET_OPTIONS
+    from lmfunc.plan.report import world_size_for
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lines = [line for line in open(os.path.join(root, "README.md")).read().splitlines()
+             if line.startswith("python -m lmfunc.dryrun")]
+    assert lines
+    for line in lines:
+        words = [w.replace("configs/", os.path.join(root, "configs/")) for w in shlex.split(line.split("#")[0])[3:]]
+        cfg, known = parse_config(words, "x", "x", extra=TARGET_OPTIONS)
+        cfg.validate(world_size_for(cfg, known.world_size))

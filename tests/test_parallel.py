@@ -190,6 +190,7 @@ def check_moe_invariance(torchrun, nproc: int, args: list, tmp_path) -> dict:
 def test_compiled_moe_over_dtensor_state_matches_one_process(tmp_path, torchrun):
     """The compiled MoE + MLA step on dp_shard 2: one graph, and the bounds of the eager layouts."""
     result = check_moe_invariance(torchrun, 2, ["dp_shard=2", "--moe", "--mla", "--compile"], tmp_path)
+    assert_dry_run_equals_measured(result, ["dp_shard=2", "out.json", "--moe", "--mla", "--compile"], 2)
     assert result["frames"] == 1 and result["graph_breaks"] == 0, result
 
 
@@ -199,6 +200,7 @@ def test_compiled_expert_parallel_step_is_one_graph_that_matches_one_process(tmp
     unbacked sizes, not a graph break) with the all-to-alls in it, and the bounds of the eager
     layouts against eager one-process training (``MOE_DATA_SEED``: why not seed 0)."""
     result = check_moe_invariance(torchrun, 2, ["dp_shard=2,ep=2", "--moe", "--compile"], tmp_path)
+    assert_dry_run_equals_measured(result, ["dp_shard=2,ep=2", "out.json", "--moe", "--compile"], 2)
     assert result["frames"] == 1 and result["graph_breaks"] == 0, result
     assert result["collectives"]["all_to_all_single"] > 0, result
     assert result["leaf_placements"]["layers.1.mlp.experts.w_gate"] == EXPERT_PLACEMENTS["dp_shard=2,ep=2"]
