@@ -45,7 +45,8 @@ def test_fsdp_dry_run_gives_the_bucketed_collectives_and_megatrons_flops(refused
 
 def test_a_layout_that_does_not_fit_is_refused_naming_the_role_and_its_largest_term(refused_fsdp_run):
     _, message = refused_fsdp_run
-    assert "out of memory on rank role 'every rank' (rank 0)" in message and "the largest term is" in message
+    assert "out of memory on rank role 'every rank' (rank 0)" in message
+    assert "the largest term is" in message and "the step's buffers live at its peak" in message  # not the state
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -93,3 +94,13 @@ def test_every_readme_dry_run_command_is_a_valid_config():
         words = [w.replace("configs/", os.path.join(root, "configs/")) for w in shlex.split(line.split("#")[0])[3:]]
         cfg, known = parse_config(words, "x", "x", extra=TARGET_OPTIONS)
         cfg.validate(world_size_for(cfg, known.world_size))
+
+
+def test_a_scanned_step_counts_its_loop_once_per_layer():
+    """With ``scan_layers`` Inductor lowers the layers' scan to a ``while_loop``: its body's FLOPs
+    count once per iteration, so the step's equal Megatron's count, as unrolled."""
+    from lmfunc.dryrun import step_facts, trace_rank
+
+    cfg, _ = parse_config([*TINY, "--run.global-batch-size", "4", "--model.scan-layers"], "x", "x")
+    cfg = cfg.validate(1)
+    assert step_facts(trace_rank(cfg, 1)).flops == make_plan(cfg, 1).megatron.flops_per_iteration

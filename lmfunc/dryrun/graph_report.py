@@ -7,7 +7,8 @@ dims, count, bytes sent), its FLOPs and its peak memory.
   real run counts them). A size known only at run time (expert parallelism's token exchange) is
   counted as a collective with unknown bytes.
 - FLOPs: torch's FLOP formulas (``torch.utils.flop_counter``: matmuls, attention, convolutions)
-  applied to each node's shapes; a ``scan``'s body counts once per iteration.
+  applied to each node's shapes; a ``scan``'s body counts once per iteration, and so does the body
+  of the ``while_loop`` Inductor lowers a scan to (its condition ``counter < n`` gives ``n``).
 - Memory: the inputs (parameters, optimizer state, batch), live throughout, plus the peak of the
   buffers Inductor's scheduler allocates, in its order, after fusion (``capture.ScheduledMemory``,
   Inductor's own estimate, ``torch._inductor.memory``): a fused kernel's temporaries never exist.
@@ -47,12 +48,27 @@ def _subgraphs(node: fx.Node, module: fx.GraphModule) -> list[tuple[fx.GraphModu
     if not found:
         return []
     times = 1
+    if node.target is torch.ops.higher_order.while_loop and len(found) == 2:
+        return [(found[1], _trip_count(found[0]) or 1)]  # (cond, body): the body runs once per iteration
     if node.target is torch.ops.higher_order.scan:
         xs = node.args[2]
         first = xs[0] if isinstance(xs, (list, tuple)) and xs else None
         if isinstance(first, fx.Node) and isinstance(first.meta.get("val"), torch.Tensor):
             times = _concrete(first.meta["val"].shape[0]) or 1
     return [(sub, times) for sub in found]
+
+
+def _trip_count(cond: fx.GraphModule) -> Optional[int]:
+    """The iterations of a ``while_loop`` whose condition is ``counter < n`` on its first carried
+    value (what Inductor lowers a ``scan`` to: a counter from 0), else None."""
+    first = next((n for n in cond.graph.nodes if n.op == "placeholder"), None)
+    output = next(n for n in cond.graph.nodes if n.op == "output")
+    result = output.args[0]
+    result = result[0] if isinstance(result, (list, tuple)) else result
+    if (isinstance(result, fx.Node) and result.target is torch.ops.aten.lt.Scalar and result.args[0] is first
+            and isinstance(result.args[1], int)):
+        return result.args[1]
+    return None
 
 
 def walk(module: fx.GraphModule, times: int = 1) -> Iterator[tuple[fx.Node, int]]:

@@ -134,12 +134,14 @@ def check_fits(report: RoleReport, hw: Hardware) -> None:
     mem = report.memory
     if mem.peak <= hw.memory_bytes:
         return
-    terms = [("the parameters, optimizer state and batch (the step's inputs)", mem.inputs)]
-    terms += [(f"the buffer {name}", size) for name, size in mem.largest[:1]]
+    buffers = "the step's buffers live at its peak (kept activations, gradients, working set)"
+    if mem.largest:
+        buffers += f", the largest {mem.largest[0][0]} of {mem.largest[0][1] / GiB:.1f} GiB"
+    terms = [("the parameters, optimizer state and batch (the step's inputs)", mem.inputs), (buffers, mem.peak - mem.inputs)]
     name, size = max(terms, key=lambda t: t[1])
     raise ConfigError(
         f"out of memory on rank role '{report.role}' (rank {report.rank}): the step's peak is {mem.peak / GiB:.1f} GiB, "
-        f"the {hw.name} has {hw.memory_bytes / GiB:.1f} GiB; the largest term is {name}: {size / GiB:.1f} GiB. "
+        f"the {hw.name} has {hw.memory_bytes / GiB:.1f} GiB; the largest term is {size / GiB:.1f} GiB: {name}. "
         "Shard more (parallel.dp_shard, tp, pp, ep), recompute (model.recompute_granularity) or use a smaller "
         "micro batch")
 
