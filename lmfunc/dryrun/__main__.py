@@ -19,7 +19,10 @@ CPU (fake tensors on a fake process group: nothing is allocated or sent), and re
 peak memory, collectives (kind, mesh dims, count, bytes), FLOPs and a projected step time and MFU,
 beside lmfunc.plan's numbers. A layout that does not fit in the GPU's memory is refused (exit 2),
 as is every configuration the run would refuse at start-up. Layouts with pipeline parallelism are
-not traced yet."""
+not traced yet. The target, besides the training flags below: --world-size N (default: the
+product of the parallel sizes), --gpus-per-node (8), --gpu h100|h200 (h100; SXM), --peak-tflops,
+--gpu-memory-gib, --nvlink-gbps, --network-gbps (override the GPU's numbers), --json PATH (the
+report as JSON)."""
 
 TARGET_OPTIONS = [
     ("--world-size", dict(type=int, default=None)),
