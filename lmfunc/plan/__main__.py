@@ -16,7 +16,9 @@ DESCRIPTION = """Print the plan of a training run: Megatron-LM's theoretical par
 setting of `python -m lmfunc.train`; every layout (dp_replicate, dp_shard, tp, pp, cp, ep) trains,
 with dense, MoE and MLA models. Model settings Megatron has but lmfunc's model does not build (MLA
 with QK-norm, linear biases or learned positions; MoE with non-SwiGLU experts, linear biases or
-scan_layers) are planned with Megatron's formulas and marked "not trainable yet"."""
+scan_layers) are planned with Megatron's formulas and marked "not trainable yet". Besides the training
+flags below: --world-size N (default: the product of the parallel sizes, or torchrun's WORLD_SIZE
+when a size is -1)."""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
