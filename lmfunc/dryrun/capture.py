@@ -47,6 +47,7 @@ class CapturedStep:
     inputs: list
     """The graph's example inputs (fake tensors, the state's and the batch's local shards)."""
     scheduled: ScheduledMemory
+    """Inductor's scheduled buffers of the graph (the peak beyond the inputs)."""
     group_dims: dict[str, str]
     """Process group name -> the mesh dims it spans (``lmfunc.dryrun.world.group_dims``)."""
     dims_ranks: dict[str, list[int]]
@@ -180,8 +181,8 @@ def trace(world_size: int, rank: int, sizes: dict[str, int], make: StepInputs,
             except _Captured:
                 pass
         if not sink:
-            raise RuntimeError("the dry run's trace ended before Inductor's post-grad passes; was the step compiled "
-                               "with the backend it was given?")
+            raise RuntimeError("the dry run's trace ended before Inductor's scheduler; was the step compiled with "
+                               "the backend it was given?")
         graph, inputs, scheduled = sink[-1]
         return CapturedStep(graph, inputs, scheduled, *group_dims(mesh), dict(sizes), rank, microbatches,
                             time.perf_counter() - began)
