@@ -53,6 +53,7 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_role_and_its_largest_t
     (["--parallel.pp", "2", "--world-size", "2"], "does not trace pipeline stages yet"),
     (["--parallel.dp-shard", "2", "--world-size", "4"], "do not multiply to the world size 4"),
     (["--world-size", "1", "--gpu", "a100"], "--gpu must be one of"),
+    (["--world-size", "1", "--gpu-memory-gib", "0"], "--gpu-memory-gib must be positive, got 0"),
 ])
 def test_what_the_run_would_refuse_is_refused_before_tracing(flags, message):
     with pytest.raises(ConfigError, match=message):

@@ -52,8 +52,10 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
     cfg, known = parse_config(argv, "python -m lmfunc.dryrun", DESCRIPTION, extra=TARGET_OPTIONS)
     world = world_size_for(cfg, known.world_size)
     cfg = cfg.validate(world)
-    if known.gpus_per_node < 1:
-        raise ConfigError(f"--gpus-per-node must be positive, got {known.gpus_per_node}")
+    for flag in ("gpus_per_node", "peak_tflops", "gpu_memory_gib", "nvlink_gbps", "network_gbps"):
+        value = getattr(known, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     sizes = cfg.parallel.sizes(world)
     if sizes["pp"] > 1:
         raise ConfigError(f"parallel.pp is {sizes['pp']}: the dry run does not trace pipeline stages yet; "

@@ -188,13 +188,18 @@ def trace(world_size: int, rank: int, sizes: dict[str, int], make: StepInputs,
                             time.perf_counter() - began)
 
 
+def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
+    """The run's batch plan (microbatches per step) on ``world_size`` ranks."""
+    return BatchPlan.from_config(cfg.run, Layout(cfg.parallel.sizes(world_size), None).data_parallel_size)
+
+
 def trace_rank(cfg: TrainConfig, world_size: int, rank: int = 0) -> CapturedStep:
     """The train step ``python -m lmfunc.train`` runs for ``cfg`` (validated for ``world_size``) on
     ``rank`` of a world of ``world_size`` ranks (``lmfunc.train.run_step.run_train_step``, compiled),
     traced (``trace``)."""
     run = cfg.run
     sizes = cfg.parallel.sizes(world_size)
-    plan = BatchPlan.from_config(run, Layout(sizes, None).data_parallel_size)
+    plan = batch_plan(cfg, world_size)
     microbatches = plan.num_microbatches_at(0)
     train_iters = run.train_iters if run.train_iters is not None else plan.train_iters_for_samples(run.train_samples)
 

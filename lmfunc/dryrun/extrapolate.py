@@ -22,7 +22,7 @@ import time
 
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
-from lmfunc.dryrun.capture import trace_rank
+from lmfunc.dryrun.capture import batch_plan, trace_rank
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, step_facts
 from lmfunc.parallel.mesh import Layout
 
@@ -70,7 +70,7 @@ def uniform_layers(cfg: TrainConfig) -> bool:
 def dry_run_facts(cfg: TrainConfig, world_size: int, rank: int = 0) -> StepFacts:
     """The step facts of ``cfg`` on ``rank``: traced whole when it is short or its layers differ,
     else extrapolated from small copies (module docstring)."""
-    layers, microbatches = cfg.model.num_layers, _microbatches(cfg, world_size)
+    layers, microbatches = cfg.model.num_layers, batch_plan(cfg, world_size).num_microbatches_at(0)
     if layers * microbatches <= WHOLE_STEP_LIMIT or not uniform_layers(cfg):
         return step_facts(trace_rank(cfg, world_size, rank),
                           f"the whole step traced ({layers} layers, {microbatches} microbatches)")
@@ -133,10 +133,3 @@ def _peak(traced, layers: int, microbatches: int) -> tuple[int, str]:
     return (peak + (microbatches - 3) * per_microbatch,
             how + f"; it still grew by {per_microbatch / 2**30:.2f} GiB from 2 to 3 microbatches, added for each further "
                   "microbatch (an upper bound)")
-
-
-def _microbatches(cfg: TrainConfig, world_size: int) -> int:
-    from lmfunc.train.batch_plan import BatchPlan
-
-    dp = Layout(cfg.parallel.sizes(world_size), None).data_parallel_size
-    return BatchPlan.from_config(cfg.run, dp).num_microbatches_at(0)

@@ -91,19 +91,18 @@ class RoleReport:
     collectives: list[CollectiveTime]
     flops: int
     flops_unknown_ops: int
-    model_flops: float
-    """Megatron's count for this rank's share (``lmfunc.plan``: no recompute): the MFU numerator."""
     compute_seconds: float
     exposed_seconds: float
     plan_peak: Optional[int]
     plan_flops: float
+    """Megatron's count for this rank's share (``lmfunc.plan``: no recompute): the MFU numerator."""
 
     @property
     def step_seconds(self) -> float:
         return self.compute_seconds + self.exposed_seconds
 
     def mfu(self, hw: Hardware) -> float:
-        return self.model_flops / (self.step_seconds * hw.peak_flops)
+        return self.plan_flops / (self.step_seconds * hw.peak_flops)
 
 
 def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[int], plan_flops: float) -> RoleReport:
@@ -125,7 +124,7 @@ def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[i
             exposed += seconds or 0.0
     exposed += max(0.0, data_parallel - compute)
     return RoleReport(role, facts.rank, facts.trace_seconds, facts.traced, facts.memory, times, facts.flops,
-                      facts.flops_unknown_ops, plan_flops, compute, exposed, plan_peak, plan_flops)
+                      facts.flops_unknown_ops, compute, exposed, plan_peak, plan_flops)
 
 
 def check_fits(report: RoleReport, hw: Hardware) -> None:
