@@ -1,6 +1,5 @@
 """The README's Python tour and the notebooks run as written."""
 
-import contextlib
 import json
 import os
 import re
@@ -11,8 +10,6 @@ import sys
 import nbformat
 import pytest
 from nbclient import NotebookClient
-
-from tests.helpers import multirank_slot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,50 +84,69 @@ def test_every_readme_train_command_is_a_valid_config(monkeypatch):
         assert cfg.run.global_batch_size % cfg.run.micro_batch_size == 0
 
 
-@pytest.mark.slow
-def test_every_readme_command_runs(tmp_path):
-    """Every README command of lmfunc.train (2 steps, eager: compiling is covered by the e2e tests),
-    lmfunc.data.preprocess and lmfunc.generate runs as written, in a folder with the inputs the
-    README names (my_book.txt, corpus.jsonl, other_text_document made by the preprocess command).
-    The torchrun commands take the multi-rank slot (``tests.helpers.multirank_slot``) one at a time."""
+SHORT_TRAIN_FLAGS = ["--run.train-iters", "2", "--optim.lr-warmup-iters", "1", "--run.eval-iters", "0",
+                     "--run.sample-tokens", "0", "--run.no-compile", "--log.no-progress-bar", "--log.peak-flops", "1e11"]
+"""Appended to each README training command: 2 eager steps (compiling is covered by the e2e tests)."""
+
+
+def readme_folder(tmp_path) -> str:
+    """``tmp_path`` with the inputs the README names: my_book.txt, corpus.jsonl and the configs."""
     from lmfunc.data.corpus import embedded_documents
 
     docs = embedded_documents()[:40]
     (tmp_path / "my_book.txt").write_text("\n\n".join(docs))
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+    return str(tmp_path)
+
+
+def run_readme_command(words: list[str], folder: str) -> str:
+    """Run ``words`` in ``folder`` (lmfunc importable, one thread); assert it exits 0; its stdout."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    short = ["--run.train-iters", "2", "--optim.lr-warmup-iters", "1", "--run.eval-iters", "0", "--run.sample-tokens", "0", "--run.no-compile",
-             "--log.no-progress-bar", "--log.peak-flops", "1e11"]
+    proc = subprocess.run(words, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(words)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    return proc.stdout
 
-    def run(words: list[str]) -> str:
-        proc = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"{' '.join(words)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
-        return proc.stdout
 
+@pytest.mark.slow
+def test_every_single_process_readme_command_runs(tmp_path):
+    """Every one-process README command of lmfunc.train (2 eager steps), lmfunc.data.preprocess and
+    lmfunc.generate runs as written, in a folder with the inputs the README names (other_text_document
+    made by a preprocess command of its own)."""
+    folder = readme_folder(tmp_path)
     commands = readme_commands()
     preprocess = [c for c in commands if c[:3] == ["python", "-m", "lmfunc.data.preprocess"]]
     assert preprocess
     for words in preprocess:
-        run([sys.executable, *words[1:]])
-    run([sys.executable, "-m", "lmfunc.data.preprocess", "--input", "corpus.jsonl", "--output-prefix", "other"])
+        run_readme_command([sys.executable, *words[1:]], folder)
+    run_readme_command([sys.executable, "-m", "lmfunc.data.preprocess", "--input", "corpus.jsonl", "--output-prefix", "other"],
+                       folder)
     first_run = None
-    for words in commands:
-        parsed = train_arguments(words)
-        if parsed is None:
-            continue
-        processes, flags = parsed
-        launch = ([sys.executable, "-m", "lmfunc.train"] if processes == 1 else
-                  [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-                   "-m", "lmfunc.train"])
-        with multirank_slot() if processes > 1 else contextlib.nullcontext():
-            out = run([*launch, *flags, *short])
+    for processes, flags in filter(None, map(train_arguments, commands)):
+        if processes == 1:
+            out = run_readme_command([sys.executable, "-m", "lmfunc.train", *flags, *SHORT_TRAIN_FLAGS], folder)
+            assert "finished at step 2" in out
+            first_run = first_run or re.search(r"run directory: (\S+)", out).group(1)
+    generate = [c for c in commands if c[:3] == ["python", "-m", "lmfunc.generate"]]
+    assert generate and first_run
+    for words in generate:
+        args = [w.replace("runs/<run>", first_run) for w in words[3:]]
+        run_readme_command([sys.executable, "-m", "lmfunc.generate", *args[:-1], "5"], folder)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_every_torchrun_readme_command_runs(tmp_path):
+    """Every ``torchrun ... -m lmfunc.train`` README command (2 eager steps) runs as written. A
+    multi-rank test of its own, so that it holds the multi-rank slot for its launches instead of
+    keeping a single-process worker waiting for it."""
+    folder = readme_folder(tmp_path)
+    launches = [(n, flags) for n, flags in filter(None, map(train_arguments, readme_commands())) if n > 1]
+    assert len(launches) == 6
+    for processes, flags in launches:
+        out = run_readme_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                  str(processes), "-m", "lmfunc.train", *flags, *SHORT_TRAIN_FLAGS], folder)
         assert "finished at step 2" in out
-        first_run = first_run or re.search(r"run directory: (\S+)", out).group(1)
-    for words in commands:
-        if words[:3] == ["python", "-m", "lmfunc.generate"]:
-            args = [w.replace("runs/<run>", first_run) for w in words[3:]]
-            run([sys.executable, "-m", "lmfunc.generate", *args[:-1], "5"])
 
 
 def test_every_readme_plan_command_runs(capsys):

@@ -100,7 +100,8 @@ LAYOUTS = [
 ]
 SLOW_LAYOUTS = [("dp_replicate=2,dp_shard=2", 4, ["--mtp"]), ("dp_replicate=2,dp_shard=2", 4, ["--mtp", "--compile"])]
 """Slow: HSDP with MTP (34 s in CI), eager and compiled: the compiled step with the collective pass
-(HSDP's swapped reductions) and MTP's custom gradient."""
+(HSDP's swapped reductions, the MTP depth's parameters gathered as one region) and MTP's custom
+gradient."""
 
 
 @pytest.mark.parametrize("layout, nproc, flags",
@@ -124,6 +125,9 @@ def test_parallel_invariance(layout, nproc, flags, tmp_path, torchrun):
     assert result["total_final_error"] < total_tolerance and result["total_moment_error"] < total_tolerance, result
     sharded = any("Shard" in p for p in result["placements"])
     assert sharded == ("dp_shard" in layout or "tp" in layout), result["placements"]  # DDP replicates
+    if "--compile" in flags:  # per microbatch: embed, 2 blocks, head, the MTP depth, the head again for its logits
+        assert result["collectives"]["all_gather_into_tensor"] == 2 * 6, result["collectives"]
+        assert_dry_run_equals_measured(result, [layout, str(out), *flags], nproc)
 
 
 MOE_LAYOUTS = [("dp_shard=2", 2, ["--moe"]), ("tp=2", 2, ["--moe", "--mla", "--sp", "--mtp"]),

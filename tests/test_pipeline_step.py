@@ -63,7 +63,7 @@ def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, 
     pytest.param(4, "gpipe 0 1 1 0 0 0 1 2 1", marks=pytest.mark.slow),
 ])
 def test_moe_and_mla_stages_train_like_one_process(nproc, args):
-    """An 8-layer model (two per stage when compiled, ``tests/pipeline_worker.py``) with MLA attention, every
+    """A model of two layers per stage (``tests/pipeline_worker.py``) with MLA attention, every
     second layer (and the MTP layer) an MoE layer (``tests.helpers.MOE_SETTINGS``: router losses,
     the expert bias, a shared expert), split over pipeline stages: each stage's router losses join
     its backward, and every stage's router statistics are summed over the pipeline, so the losses,

@@ -9,11 +9,11 @@ embedding twice):
   (2 per layer), one for the vocab-parallel embedding and 3 inside the vocab-parallel cross
   entropy (max, sum of exponentials, target logit): 2L + 4. Backward, Megatron's ``f``: one
   all-reduce of the input gradient of each column-parallel block (2 per layer, plus the output
-  head's): 2L + 1; and the 2 all-gathers DTensor's ``loss_parallel`` backward does.
+  head's): 2L + 1. The cross entropy's backward stays on the vocabulary shards
+  (``lmfunc.loss.vocab_parallel``): no collective.
 - TP with SP: forward, a reduce-scatter after each row-parallel projection and the embedding, an
   all-gather before each column-parallel block and the head (2L + 1 each), the cross entropy's 3
-  all-reduces. Backward, the mirror images: 2L + 1 reduce-scatters and 2L + 1 all-gathers, plus
-  the loss's 2 all-gathers. The norm scales' gradients are partial sums over the sequence shards:
+  all-reduces. Backward, the mirror images: 2L + 1 reduce-scatters and 2L + 1 all-gathers. The norm scales' gradients are partial sums over the sequence shards:
   with FSDP too (dp_shard x tp), FSDP's reduce-scatter of each one's gradient first all-reduces
   it over tp, inside the backward (2L + 1 all-reduces); on a tp-only mesh that all-reduce happens
   after the backward, when the step matches the gradients' placements to the parameters'.
@@ -81,13 +81,12 @@ def expected_counts(cfg: ModelConfig, sizes: dict[str, int]) -> Optional[dict[st
             forward["all_gather_into_tensor"] += 2 * layers + 1
             forward["all_reduce"] += 3
             backward["reduce_scatter_tensor"] += 2 * layers + 1
-            backward["all_gather_into_tensor"] += 2 * layers + 1 + 2
+            backward["all_gather_into_tensor"] += 2 * layers + 1
             if sizes.get("dp_shard", 1) > 1:
                 backward["all_reduce"] += 2 * layers + 1
         else:
             forward["all_reduce"] += 2 * layers + 4
             backward["all_reduce"] += 2 * layers + 1
-            backward["all_gather_into_tensor"] += 2
     return {"forward": forward, "forward+backward": forward + backward}
 
 

@@ -19,6 +19,7 @@ from lmfunc import model
 from lmfunc.config import ModelConfig
 from lmfunc.grad import attach_aux_loss
 from lmfunc.loss.chunked_output import chunked_output_layer_loss
+from lmfunc.loss.vocab_parallel import vocab_parallel_cross_entropy
 from lmfunc.model import mtp
 from lmfunc.model.layers import upcast
 from lmfunc.model.moe import RouterStats
@@ -36,8 +37,11 @@ def masked_cross_entropy(
     """
     if is_context_parallel(logits):
         return _sequence_split_cross_entropy(upcast(logits), labels, loss_mask)
-    with vocab_parallel(logits):
-        per_token = F.cross_entropy(upcast(logits).flatten(0, -2), labels.flatten(), reduction="none")
+    flat, flat_labels = upcast(logits).flatten(0, -2), labels.flatten()
+    if vocab_parallel(logits):
+        per_token = vocab_parallel_cross_entropy(flat, flat_labels)
+    else:
+        per_token = F.cross_entropy(flat, flat_labels, reduction="none")
     if loss_mask is None:
         count = torch.tensor(float(per_token.numel()), dtype=per_token.dtype, device=per_token.device)
         return per_token.sum(), count
@@ -50,7 +54,9 @@ def _sequence_split_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     """``masked_cross_entropy`` of logits ``[B, S, V]`` whose sequence is split over ``cp``, without
     flattening ``[B, S]`` (a DTensor split along S cannot be flattened into B x S without gathering
     it): the cross entropy of ``[B, V, S]``, vocab-parallel when the vocabulary is split over ``tp``."""
-    with vocab_parallel(logits):
+    if vocab_parallel(logits):
+        per_token = vocab_parallel_cross_entropy(logits.transpose(1, 2), labels)
+    else:
         per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
     if loss_mask is None:
         count = torch.tensor(float(per_token.numel()), dtype=per_token.dtype, device=labels.to_local().device)

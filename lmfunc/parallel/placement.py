@@ -233,13 +233,10 @@ def embedding_lookup(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return mapped(tokens, table)
 
 
-def vocab_parallel(logits: torch.Tensor) -> contextlib.AbstractContextManager:
-    """``loss_parallel()`` when ``logits`` are split over ``tp`` along the vocabulary (cross entropy
-    without gathering the full-vocabulary logits), else nothing."""
+def vocab_parallel(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` are a DTensor split over ``tp`` along the vocabulary (the last dim): their
+    cross entropy then runs on the shards (``lmfunc.loss.vocab_parallel``)."""
     if isinstance(logits, DTensor) and "tp" in logits.device_mesh.mesh_dim_names:
         tp = logits.placements[list(logits.device_mesh.mesh_dim_names).index("tp")]
-        if isinstance(tp, Shard) and tp.dim in (-1, logits.dim() - 1):
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-    return contextlib.nullcontext()
+        return isinstance(tp, Shard) and tp.dim in (-1, logits.dim() - 1)
+    return False
