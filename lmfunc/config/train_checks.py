@@ -237,6 +237,8 @@ def validate_mesh(model: ModelConfig, parallel: ParallelConfig, run: RunConfig, 
     sizes = parallel.sizes(world_size)
     check_divisibility(sizes, model, seq_length)
     mesh_dims = [name for name, size in sizes.items() if size > 1]
-    _require(not (run.compile and model.mtp_num_layers and len(mesh_dims) > 1),
+    hsdp = set(mesh_dims) == {"dp_replicate", "dp_shard"}  # compiles with MTP (tests/test_parallel.py)
+    _require(not (run.compile and model.mtp_num_layers and len(mesh_dims) > 1 and not hsdp),
              f"model.mtp_num_layers > 0 on a {len(mesh_dims)}-D mesh ({' x '.join(mesh_dims)}) does not compile with "
-             "torch 2.13 (Dynamo: PendingUnbackedSymbolNotFound); use a 1-D layout or --run.no-compile")
+             "torch 2.13 (Dynamo: PendingUnbackedSymbolNotFound); use a 1-D layout, HSDP (dp_replicate x dp_shard) "
+             "or --run.no-compile")
