@@ -24,7 +24,7 @@ from lmfunc.model import mtp
 from lmfunc.model.layers import upcast
 from lmfunc.model.moe import RouterStats
 from lmfunc.parallel.context import is_context_parallel
-from lmfunc.parallel.placement import vocab_parallel
+from lmfunc.parallel.placement import is_vocab_parallel
 
 
 def masked_cross_entropy(
@@ -38,7 +38,7 @@ def masked_cross_entropy(
     if is_context_parallel(logits):
         return _sequence_split_cross_entropy(upcast(logits), labels, loss_mask)
     flat, flat_labels = upcast(logits).flatten(0, -2), labels.flatten()
-    if vocab_parallel(logits):
+    if is_vocab_parallel(logits):
         per_token = vocab_parallel_cross_entropy(flat, flat_labels)
     else:
         per_token = F.cross_entropy(flat, flat_labels, reduction="none")
@@ -54,7 +54,7 @@ def _sequence_split_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     """``masked_cross_entropy`` of logits ``[B, S, V]`` whose sequence is split over ``cp``, without
     flattening ``[B, S]`` (a DTensor split along S cannot be flattened into B x S without gathering
     it): the cross entropy of ``[B, V, S]``, vocab-parallel when the vocabulary is split over ``tp``."""
-    if vocab_parallel(logits):
+    if is_vocab_parallel(logits):
         per_token = vocab_parallel_cross_entropy(logits.transpose(1, 2), labels)
     else:
         per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")

@@ -23,6 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
+from lmfunc.parallel.placement import local_vocab_index
+
 CLASS_DIM = 1
 """The vocabulary dim of the logits: ``[N, V]`` or ``[B, V, S]``, as ``F.cross_entropy`` takes them."""
 
@@ -50,11 +52,8 @@ def _target_logits(logits: DTensor, labels: torch.Tensor) -> DTensor:
     label_placements = _label_placements(logits)
 
     def pick(local_logits: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
-        rows = local_logits.shape[CLASS_DIM]
-        start = mesh.get_local_rank("tp") * rows
-        held = (local_labels >= start) & (local_labels < start + rows)
-        index = torch.where(held, local_labels - start, torch.zeros_like(local_labels)).unsqueeze(CLASS_DIM)
-        return local_logits.gather(CLASS_DIM, index).squeeze(CLASS_DIM) * held.to(local_logits.dtype)
+        index, held = local_vocab_index(local_labels, local_logits.shape[CLASS_DIM], mesh)
+        return local_logits.gather(CLASS_DIM, index.unsqueeze(CLASS_DIM)).squeeze(CLASS_DIM) * held.to(local_logits.dtype)
 
     out_placements = [Partial() if name == "tp" else p for name, p in zip(names, label_placements)]
     mapped = local_map(pick, out_placements=out_placements, in_placements=(list(logits.placements), label_placements),

@@ -205,6 +205,16 @@ def compute_layout(x: torch.Tensor) -> torch.Tensor:
     return x.redistribute(x.device_mesh, want)
 
 
+def local_vocab_index(ids: torch.Tensor, rows: int, mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """For vocabulary ids (local tensor) and this tp rank's ``rows`` of a vocabulary split over
+    ``tp``: ``(index, held)``, the ids as rows of this rank's shard (0 where another rank holds
+    them) and the mask of those this rank holds. Megatron's vocab-parallel embedding and cross
+    entropy both look up their ids this way."""
+    start = mesh.get_local_rank("tp") * rows
+    held = (ids >= start) & (ids < start + rows)
+    return torch.where(held, ids - start, torch.zeros_like(ids)), held
+
+
 def embedding_lookup(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``table[tokens]``; a table split over ``tp`` along the vocabulary is looked up Megatron's way
     (``VocabParallelEmbedding``: each rank looks up the ids it holds, zeros elsewhere, and the
@@ -218,10 +228,8 @@ def embedding_lookup(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(tokens, table)
 
     def lookup(tok: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = weight.shape[0]
-        start = mesh.get_local_rank("tp") * rows
-        held = (tok >= start) & (tok < start + rows)
-        out = torch.nn.functional.embedding(torch.where(held, tok - start, torch.zeros_like(tok)), weight)
+        index, held = local_vocab_index(tok, weight.shape[0], mesh)
+        out = torch.nn.functional.embedding(index, weight)
         return out * held.unsqueeze(-1).to(out.dtype)
 
     token_placements = list(tokens.placements)
@@ -233,7 +241,7 @@ def embedding_lookup(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return mapped(tokens, table)
 
 
-def vocab_parallel(logits: torch.Tensor) -> bool:
+def is_vocab_parallel(logits: torch.Tensor) -> bool:
     """Whether ``logits`` are a DTensor split over ``tp`` along the vocabulary (the last dim): their
     cross entropy then runs on the shards (``lmfunc.loss.vocab_parallel``)."""
     if isinstance(logits, DTensor) and "tp" in logits.device_mesh.mesh_dim_names:
