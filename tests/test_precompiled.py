@@ -64,9 +64,13 @@ def test_a_restarted_process_loads_the_saved_train_step_without_tracing_it(tmp_p
     cold, _ = _run(TRAIN_STEPS, tmp_path, "first", layers)
     assert cold["captured"] > 0
     assert len(list((tmp_path / "lmfunc_steps").glob("*.bin"))) == 1
+    built = sorted(path.name for path in tmp_path.rglob("*.so"))
     warm, stderr = _run(TRAIN_STEPS, tmp_path, "compare", layers)
     assert "precompiled step" not in stderr
     assert warm["captured"] == 0
+    # Both the loaded step and the ordinary one took every C++ library from the cache, the
+    # kernels' batches included (lmfunc.compiler.kernel_batches): nothing was built again.
+    assert sorted(path.name for path in tmp_path.rglob("*.so")) == built
     assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"]
     ordinary_losses, ordinary_params = warm["ordinary"]
     assert ordinary_losses == warm["losses"] and ordinary_params == warm["params"]

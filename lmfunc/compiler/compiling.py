@@ -28,6 +28,7 @@ from lmfunc.compiler import inplace_reuse
 from lmfunc.compiler.cpp_flags import gcc_flags_for_correct_kernels
 from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB, CollectiveBucketsPass
 from lmfunc.compiler.isa_probe import start_vec_isa_probe
+from lmfunc.compiler.kernel_batches import batched_cpu_kernels
 from lmfunc.compiler.recompute_pass import RematPass
 from lmfunc.compiler.reversed_scan import ReversedScanPass
 from lmfunc.compiler.view_copies import SliceCopyPass
@@ -168,7 +169,8 @@ def compile_settings():
     ):
         with torch._inductor.config.patch({"unsafe_marked_cacheable_functions": _CACHEABLE_OPERATORS,
                                            "aot_inductor.enable_line_tables": False}):
-            with inplace_reuse.inplace_reuse_despite_input_writes(), gcc_flags_for_correct_kernels():
+            with inplace_reuse.inplace_reuse_despite_input_writes(), gcc_flags_for_correct_kernels(), \
+                    batched_cpu_kernels():
                 yield
 
 
