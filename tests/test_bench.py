@@ -169,5 +169,5 @@ def test_compile_phases_add_up_to_the_compile_time_and_nested_ones_are_not_count
             "func-eager": [{"compile_s": 0.0}]}
     table = compile_phases.phase_table(runs).splitlines()
     assert table[0] == "| phase | func-compiled |"
-    assert "| Dynamo: bytecode tracing | 4.0 |" in table and table[-1] == "| C++ kernels built | 28 |"
+    assert "| Dynamo: bytecode tracing | 4.0 |" in table and table[-1] == "| C++ libraries built (GCC runs) | 28 |"
     assert "| **compile (first step - steady step)** | **21.0** |" in table

@@ -5,7 +5,7 @@ usual table, each variant's first-step compile split into the phases below (seco
 the repeats). The timers are torch's own (``torch._dynamo.utils.compile_times``, summed over every
 graph a variant compiles: lmfunc's one step graph; the module's forward, backward and optimizer
 graphs). Timers nest (Inductor's lowering runs inside AOTAutograd), so each phase here is one that
-no other phase contains, and "other" is the compile time none of them covers. "C++ kernels" counts
+no other phase contains, and "other" is the compile time none of them covers. "C++ libraries" counts
 the distinct kernel libraries GCC built (files in the worker's fresh Inductor cache).
 """
 
@@ -28,6 +28,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "Inductor: scheduling and fusion": ("Scheduler.__init__",),
     "Inductor: kernel code generation (Python)": ("Scheduler.codegen",),
     "Inductor: waiting for the C++ builds": ("async_compile.wait",),
+    "lmfunc: the C++ kernels' batched builds": ("lmfunc.kernel_batches.build",),
 }
 """Phase name -> the torch compile timers it sums. The indented phase is part of the one above it
 and is left out of the sum that gives "other"."""
@@ -42,7 +43,8 @@ def compile_timer_seconds() -> dict[str, float]:
 
 
 def kernel_libraries(cache_dir: str) -> int:
-    """How many C++ kernel sources Inductor wrote into ``cache_dir`` (each one GCC build)."""
+    """How many C++ kernel libraries Inductor wrote the sources of into ``cache_dir`` (each one GCC
+    build: one kernel, or with lmfunc a batch of them, ``lmfunc.compiler.kernel_batches``)."""
     return sum(1 for _ in Path(cache_dir).glob("*/*.main.cpp"))
 
 
@@ -55,7 +57,7 @@ def phase_seconds(timers: dict[str, float], compile_s: float) -> dict[str, float
 
 def phase_table(runs: dict[str, list[dict]]) -> str:
     """A markdown table: one row per phase, one column per variant (median seconds over its runs),
-    then the compile time and the number of C++ kernels."""
+    then the compile time and the number of C++ libraries GCC built."""
     variants = [v for v, results in runs.items() if results and "timers" in results[0]]
     if not variants:
         return "no compiled variant: no compile phases to show"
@@ -68,6 +70,6 @@ def phase_table(runs: dict[str, list[dict]]) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{medians[v][name]:.1f}" for v in variants) + " |")
     lines.append("| **compile (first step - steady step)** | " + " | ".join(
         f"**{statistics.median(r['compile_s'] for r in runs[v]):.1f}**" for v in variants) + " |")
-    lines.append("| C++ kernels built | " + " | ".join(
+    lines.append("| C++ libraries built (GCC runs) | " + " | ".join(
         f"{statistics.median(r['kernels'] for r in runs[v]):.0f}" for v in variants) + " |")
     return "\n".join(lines)

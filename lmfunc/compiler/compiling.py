@@ -163,7 +163,9 @@ def compile_settings():
     the kernels with the flags that keep them correct (``lmfunc.compiler.cpp_flags``) and without
     line tables (``-g1``): debug information never changes the machine code GCC generates, and
     leaving it out shortens each kernel's build (docs/performance.md, "Where a cold compile goes");
-    a profiler then names each kernel but not its source lines."""
+    a profiler then names each kernel but not its source lines. The kernels of a graph are built
+    in a few GCC runs, many kernels to each, instead of one run per kernel
+    (``lmfunc.compiler.kernel_batches``): most of a run's cost is fixed."""
     with torch._functorch.config.patch(
         remat_using_tags_for_fwd_loss_bwd_graph=False, autograd_cache_allow_custom_autograd_functions=True
     ):

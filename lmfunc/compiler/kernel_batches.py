@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
+from torch._dynamo.utils import dynamo_timed
 from torch._inductor.async_compile import AsyncCompile, get_compile_threads
 from torch._inductor.codecache import CppPythonBindingsCodeCache
 from torch._inductor.utils import clear_on_fresh_cache
@@ -204,9 +205,18 @@ def _submit_fn(async_compile: AsyncCompile) -> Optional[Callable]:
     return async_compile.submit if get_compile_threads() > 1 else None
 
 
+BUILD_TIMER = "lmfunc.kernel_batches.build"
+"""The name of torch's compile timer (``torch._dynamo.utils.compile_times``) for the batches' builds."""
+
+
 def _build(async_compile: AsyncCompile, kernels: list[PendingKernel], build_alone: Callable) -> None:
     """Build ``kernels`` in batches and set each one's ``function``; a batch GCC refuses is built
     kernel by kernel (warned)."""
+    with dynamo_timed(BUILD_TIMER):
+        _build_batches(async_compile, kernels, build_alone)
+
+
+def _build_batches(async_compile: AsyncCompile, kernels: list[PendingKernel], build_alone: Callable) -> None:
     loads = [(batch, KernelBatchCodeCache.load_async(batch_source(batch), "cpu", submit_fn=_submit_fn(async_compile)))
              for batch in split_into_batches(kernels, get_compile_threads())]
     for batch, load in loads:
