@@ -21,6 +21,6 @@ def slow_global_batch_part(*args, **kwargs):
 
 loop.global_batch_part = slow_global_batch_part
 main(["--preset", "tiny", "--model.vocab-size", "384", "--data.seq-length", "32", "--parallel.dp-shard", "2",
-      "--run.micro-batch-size", "2", "--run.train-iters", "4", "--optim.lr-warmup-iters", "1", "--run.eval-iters", "0",
-      "--run.sample-tokens", "0", "--run.no-compile", "--log.log-interval", "2", "--log.no-progress-bar",
+      "--run.micro-batch-size", "2", "--run.train-iters", "8", "--optim.lr-warmup-iters", "1", "--run.eval-iters", "0",
+      "--run.sample-tokens", "0", "--run.no-compile", "--log.log-interval", "4", "--log.no-progress-bar",
       "--checkpoint.no-save", "--run.out-dir", sys.argv[1], "--run.name", "straggler"])

@@ -54,7 +54,7 @@ def test_kernels_split_into_balanced_batches_that_keep_their_order():
     sizes = [sum(len(k.source) for k in batch) for batch in batches]
     assert abs(sizes[0] - sizes[1]) <= max(len(k.source) for k in kernels)
     assert split_into_batches(kernels, workers=2) == batches
-    assert len(split_into_batches(kernels[:15], workers=2)) == 1  # 15 // MIN_KERNELS_PER_BATCH
+    assert len(split_into_batches(kernels[:2 * kernel_batches.MIN_KERNELS_PER_BATCH - 1], workers=2)) == 1
     assert len(split_into_batches(kernels, workers=16)) == 20 // kernel_batches.MIN_KERNELS_PER_BATCH
     assert len(split_into_batches(kernels[:3], workers=2)) == 1
 

@@ -26,10 +26,13 @@ def test_levels_and_single_process_report():
 
 
 def test_the_report_names_the_straggler(tmp_path, torchrun):
-    """Rank 1 loads each batch 1.2 s late: its data phase is the max, and the report names it."""
+    """Rank 1 loads each batch 1.2 s late: its data phase is the max, and the report names it.
+    The loader builds up to 3 batches ahead while the run sets up (``PrefetchLoader``), so the
+    first interval's steps may find their batches ready, however slowly they were made; the
+    second interval's (steps 5-8) wait for each one on rank 1, whatever the setup took."""
     torchrun(2, ["tests/straggler_worker.py", str(tmp_path)])
     records = [r for r in read_log(os.path.join(tmp_path, "straggler", "log.jsonl")) if r["kind"] == "timers"]
-    assert [r["step"] for r in records] == [2, 4]
-    for r in records:
-        assert r["data_slowest_rank"] == 1
-        assert r["data_max"] > 0.5 and r["data_min"] < r["data_max"] / 2
+    assert [r["step"] for r in records] == [4, 8]
+    last = records[-1]
+    assert last["data_slowest_rank"] == 1
+    assert last["data_max"] > 1.0 and last["data_min"] < last["data_max"] / 2
