@@ -114,8 +114,8 @@ def pytest_terminal_summary(terminalreporter):
 
 UNSTARTED_FAILS = "LMFUNC_UNSTARTED_FAILS"
 """Environment variable: with ``1`` a run that left tests unstarted fails (after listing them), so
-the budget can never silently shrink what is checked. ``.ci/run`` sets it once the slow tier fits
-its budget (docs/testing.md)."""
+the budget can never silently shrink what is checked. ``.ci/run`` sets it for the slow tier
+(docs/testing.md)."""
 
 
 def pytest_sessionfinish(session):
