@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
 from torch._dynamo.utils import dynamo_timed
-from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+from torch._inductor.async_compile import AsyncCompile, get_compile_threads, kernel_code_log
 from torch._inductor.codecache import CppPythonBindingsCodeCache
 from torch._inductor.utils import clear_on_fresh_cache
 
@@ -51,12 +51,13 @@ class PendingKernel:
     def __init__(self, argtypes: list[str], source: str, build_alone: Callable[[], Callable]) -> None:
         self.argtypes = list(argtypes)
         self.source = source
-        self._build_alone = build_alone
+        self.build_alone = build_alone
+        """Builds this kernel on its own, as Inductor does, and returns its function."""
         self.function: Optional[Callable] = None
 
     def __call__(self, *args: Any) -> Any:
         if self.function is None:
-            self.function = self._build_alone()
+            self.function = self.build_alone()
         return self.function(*args)
 
 
@@ -211,27 +212,23 @@ BUILD_TIMER = "lmfunc.kernel_batches.build"
 """The name of torch's compile timer (``torch._dynamo.utils.compile_times``) for the batches' builds."""
 
 
-def _build(async_compile: AsyncCompile, kernels: list[PendingKernel], build_alone: Callable) -> None:
+def _build(async_compile: AsyncCompile, kernels: list[PendingKernel]) -> None:
     """Build ``kernels`` in batches and set each one's ``function``; a batch GCC refuses is built
     kernel by kernel (warned)."""
     with dynamo_timed(BUILD_TIMER):
-        _build_batches(async_compile, kernels, build_alone)
-
-
-def _build_batches(async_compile: AsyncCompile, kernels: list[PendingKernel], build_alone: Callable) -> None:
-    loads = [(batch, KernelBatchCodeCache.load_async(batch_source(batch), "cpu", submit_fn=_submit_fn(async_compile)))
-             for batch in split_into_batches(kernels, get_compile_threads())]
-    for batch, load in loads:
-        try:
-            module = load()
-        except Exception as error:  # GCC's error (CppCompileError) or a load failure
-            warnings.warn(f"lmfunc could not build {len(batch)} Inductor CPU kernels as one library ({error!s:.300}); "
-                          "building them one by one instead", RuntimeWarning, stacklevel=2)
-            for kernel in batch:
-                kernel.function = build_alone(kernel)
-            continue
-        for i, kernel in enumerate(batch):
-            kernel.function = getattr(module, f"kernel_{i}")
+        loads = [(batch, KernelBatchCodeCache.load_async(batch_source(batch), "cpu", submit_fn=_submit_fn(async_compile)))
+                 for batch in split_into_batches(kernels, get_compile_threads())]
+        for batch, load in loads:
+            try:
+                module = load()
+            except Exception as error:  # GCC's error (CppCompileError) or a load failure
+                warnings.warn(f"lmfunc could not build {len(batch)} Inductor CPU kernels as one library "
+                              f"({error!s:.300}); building them one by one instead", RuntimeWarning, stacklevel=2)
+                for kernel in batch:
+                    kernel.function = kernel.build_alone()
+                continue
+            for i, kernel in enumerate(batch):
+                kernel.function = getattr(module, f"kernel_{i}")
 
 
 @contextlib.contextmanager
@@ -241,21 +238,22 @@ def batched_cpu_kernels() -> Iterator[None]:
     original_binding = AsyncCompile.cpp_pybinding
     original_wait = AsyncCompile.wait
 
-    def build_alone(self: AsyncCompile, kernel: PendingKernel) -> Callable:
+    def inductors_build(self: AsyncCompile, kernel: PendingKernel) -> Callable:
         function = original_binding(self, kernel.argtypes, kernel.source)
         return function.result() if hasattr(function, "result") else function
 
     def cpp_pybinding(self: AsyncCompile, argtypes: list[str], source_code: str):
         if not batchable(source_code):
             return original_binding(self, argtypes, source_code)
-        kernel = PendingKernel(argtypes, source_code, lambda: build_alone(self, kernel))
+        kernel_code_log.info("CPP+Bindings Kernel (lmfunc batch):\n%s", source_code)
+        kernel = PendingKernel(argtypes, source_code, lambda: inductors_build(self, kernel))
         self.__dict__.setdefault("_lmfunc_pending_kernels", []).append(kernel)
         return kernel
 
     def wait(self: AsyncCompile, scope: dict[str, Any]) -> None:
         pending = [k for k in self.__dict__.pop("_lmfunc_pending_kernels", []) if k.function is None]
         if pending:
-            _build(self, pending, lambda kernel: build_alone(self, kernel))
+            _build(self, pending)
         for name, value in list(scope.items()):
             if isinstance(value, PendingKernel):
                 scope[name] = value.function if value.function is not None else value
