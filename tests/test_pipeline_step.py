@@ -8,7 +8,8 @@ compiles the stages and the update; ``recompute`` turns on full recompute and a 
 layer; ``mesh`` ("DP_SHARD TP SP [CP]") puts the pipeline beside dp_shard, tp and/or cp (pp 2 x 2 on 4
 ranks, pp 2 x 2 x 2 on 8), where the reference is the same layout without the pipeline; with cp the
 step splits every sequence over cp in load-balanced order. The MoE and MLA cases run the same worker
-with ``--moe --mla``."""
+with ``--moe --mla``. Compiled 1F1B runs beside each mesh (its stages over DTensors); on a pipeline
+alone it is ``tests/test_train_pipeline.py``'s compiled run of the trainer."""
 
 import pytest
 
@@ -38,7 +39,6 @@ pytestmark = pytest.mark.multirank
     pytest.param(4, "gpipe", 0, 1, 1, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "zero-bubble", 2, 1, 0, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, 0, "", marks=pytest.mark.slow),
-    pytest.param(2, "1f1b", 0, 1, 1, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "zero-bubble", 2, 1, 1, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "zbv", 0, 1, 0, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "interleaved-1f1b", 2, 1, 0, 0, 0, 0, "2 1 0", marks=pytest.mark.slow),
