@@ -4,7 +4,8 @@ over DTensors on a ``dp_shard x cp x tp`` mesh, whose batch is each sequence in 
 split over ``cp`` (``local_batch_to_dtensor``). It checks the first microbatch's gradients (rel L2
 1e-6 per leaf), the metrics at every step, and the final params and Adam moments.
 
-``python -m tests.context_worker DP_SHARD CP TP SP MTP DOCS [COMPILE [RECOMPUTE]] [--moe] [--mla] [--ep=N]``:
+``python -m tests.context_worker DP_SHARD CP TP SP MTP DOCS [COMPILE [RECOMPUTE]] [--moe] [--mla] [--ep=N]`` (or
+several such cases, each after ``--case``: ``tests.worker_cases``):
 mesh sizes (world = their product), SP 0/1 sequence parallelism over tp, MTP the number of MTP
 depths, DOCS 0/1 documents packed into each sequence (position ids restarting after each EOD, a
 document-masked attention and EOD-masked loss), COMPILE 0/1 the step compiled, RECOMPUTE the
@@ -17,7 +18,6 @@ dropout: its masks follow the element index, which a load-balanced sequence perm
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,8 @@ from lmfunc.optim import adamw
 from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor, shard_params
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import flatten_with_paths
-from lmfunc.train.__main__ import exit_without_finalizing
 from tests.helpers import model_flags
+from tests.worker_cases import run_worker_cases
 
 STEPS, MICROBATCHES, ROWS, SEQ, EOD = 5, 2, 4, 32, 0
 TOLERANCE = {"gradients": 1e-6, "metrics": 1e-5, "leaves": 1e-5}
@@ -92,14 +92,14 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def main() -> None:
-    flags = [a for a in sys.argv[1:] if a.startswith("--")]
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+def run_case(argv: list[str]) -> str:
+    """One case (the module docstring's arguments) on the launch's process group; what it measured."""
+    flags = [a for a in argv if a.startswith("--")]
+    args = [a for a in argv if not a.startswith("--")]
     dp, cp, tp, sp, mtp, docs = (int(a) for a in args[:6])
     compiled = len(args) > 6 and bool(int(args[6]))
     recompute = args[7] if len(args) > 7 else "none"
     ep = next((int(a.split("=")[1]) for a in flags if a.startswith("--ep=")), 1)
-    dist.init_process_group("gloo")
     sizes = {name: size for name, size in (("dp_shard", dp // ep), ("ep", ep), ("cp", cp), ("tp", tp)) if size > 1}
     mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     dp_rank = ((mesh.get_local_rank("dp_shard") if dp > ep else 0) * ep
@@ -139,11 +139,8 @@ def main() -> None:
     assert error < bound, f"rank {rank}: {path} differs by rel L2 {error:.2e}"
     total = total_error(full_tensors((mine.params, mine.opt_state)), (whole.params, whole.opt_state))
     assert total < TOLERANCE["leaves"], f"rank {rank}: the params and moments differ by rel L2 {total:.2e} in all"
-    print(f"rank {rank} ok: {len(errors)} leaves, worst metric rel {worst:.1e}, worst leaf {path} {error:.1e}, "
-          f"all leaves {total:.1e}")
-    dist.destroy_process_group()
+    return f"{len(errors)} leaves, worst metric rel {worst:.1e}, worst leaf {path} {error:.1e}, all leaves {total:.1e}"
 
 
 if __name__ == "__main__":
-    main()
-    exit_without_finalizing()
+    run_worker_cases(run_case)

@@ -98,11 +98,16 @@ def _flock(path: str, mode: int) -> Iterator[None]:
 def run_torchrun(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``torchrun_command(nproc, args)`` from the repository root, holding the multi-rank slot;
     fail with its output unless it exits 0."""
-    with multirank_slot():
-        proc = subprocess.run(torchrun_command(nproc, args), cwd=ROOT, env=torchrun_env(), capture_output=True,
-                              text=True, timeout=timeout)
+    proc = run_torchrun_unchecked(nproc, args, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+def run_torchrun_unchecked(nproc: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """``run_torchrun`` without the exit-status check."""
+    with multirank_slot():
+        return subprocess.run(torchrun_command(nproc, args), cwd=ROOT, env=torchrun_env(), capture_output=True,
+                              text=True, timeout=timeout)
 
 
 def lm_batch(vocab: int, microbatches: int, batch: int, seq: int, seed: int = 0) -> dict:

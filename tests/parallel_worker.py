@@ -1,7 +1,8 @@
 """One multi-rank parity run, launched by tests/test_parallel.py with torchrun.
 
 Usage: torchrun --nproc-per-node N tests/parallel_worker.py LAYOUT OUT.json [--compile] [--sp] [--mtp] [--fp16]
-[--moe] [--mla] [--capacity] [--data-seed=N]
+[--moe] [--mla] [--capacity] [--data-seed=N] (or several such cases, each after ``--case``:
+``tests.worker_cases``).
 LAYOUT is e.g. ``dp_shard=2`` or ``dp_shard=2,tp=2`` (``ParallelConfig`` fields: ``dp_shard=2,ep=2``
 splits the experts over 2 of the 2 data-parallel shard ranks). Trains the tiny model (with one MTP depth
 and fp32) for 5 steps on the mesh and, in the same process, on plain tensors; rank 0 writes the
@@ -15,7 +16,6 @@ capacity that drops nothing (the static-shape dispatch), ``--mla`` the attention
 
 import dataclasses
 import json
-import sys
 
 import torch
 import torch._dynamo.utils
@@ -32,8 +32,8 @@ from lmfunc.precision import LossScaleConfig
 from lmfunc.train.params import init_params
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import flatten_with_paths
-from lmfunc.train.__main__ import exit_without_finalizing
 from tests.helpers import MLA_SETTINGS, MOE_SETTINGS, lm_batch
+from tests.worker_cases import run_worker_cases
 
 
 def relative_errors(a, b) -> float:
@@ -83,9 +83,10 @@ def worker_run(argv: list[str]) -> WorkerRun:
     return WorkerRun(fields, cfg, adamw(1e-3, weight_decay=0.1), precision, batches)
 
 
-def main() -> None:
-    run = worker_run(sys.argv[1:])
-    out_path, compiled = sys.argv[2], "--compile" in sys.argv
+def run_case(argv: list[str]) -> str:
+    """One case (LAYOUT OUT.json [flags]) on the launch's process group: rank 0 writes OUT.json."""
+    run = worker_run(argv)
+    out_path, compiled = argv[1], "--compile" in argv
     layout = build_mesh(ParallelConfig(**run.fields).sizes(launched_world_size()))
     cfg, tx, precision, batches = run.cfg, run.tx, run.precision, run.batches
     scaling = precision.get("loss_scale")
@@ -130,9 +131,8 @@ def main() -> None:
                 "cache_hits": cache_hits,
             }, f)
     dist.barrier()
-    dist.destroy_process_group()
+    return f"{len(losses)} steps, largest leaf error {final_error:.1e}"
 
 
 if __name__ == "__main__":
-    main()
-    exit_without_finalizing()
+    run_worker_cases(run_case)

@@ -7,7 +7,7 @@ pipeline's forward-only evaluation (``make_pipeline_eval_step``) gives the one-p
 ``make_eval_step``'s loss before the first step and after the last.
 
 ``python -m tests.pipeline_worker SCHEDULE VIRTUAL MTP TIE FP16 [COMPILE [RECOMPUTE [DP_SHARD TP SP [CP]]]] [--moe]
-[--mla] [--ep=N]``:
+[--mla] [--ep=N]`` (or several such cases, each after ``--case``: ``tests.worker_cases``):
 VIRTUAL 0 for none; MTP, TIE, FP16, COMPILE (the stages and the update compiled) and RECOMPUTE (full
 recompute and the output layer in chunks of 8 tokens) 0/1, the last two 0 by default. DP_SHARD, TP
 and CP (default 1) put the pipeline on a mesh ``pp x dp_shard x cp x tp`` (pp = world / (DP_SHARD x
@@ -26,7 +26,6 @@ an 8-layer model with dropout that layout itself differs from one process by up 
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import torch
 import torch.distributed as dist
@@ -42,8 +41,8 @@ from lmfunc.train import TrainState, make_eval_step, make_train_step
 from lmfunc.train.pipeline_step import make_pipeline_eval_step, make_pipeline_train_step
 from lmfunc.model.stages import rank_params
 from lmfunc.tree import flatten_with_paths, tree_map, tree_unflatten_as
-from lmfunc.train.__main__ import exit_without_finalizing
 from tests.helpers import lm_batch, model_flags
+from tests.worker_cases import run_worker_cases
 
 STEPS, MICROBATCHES = 5, 4
 EAGER_LAYERS = 8
@@ -83,15 +82,15 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def main() -> None:
-    flags = [a for a in sys.argv[1:] if a.startswith("--")]
-    argv = [sys.argv[0], *(a for a in sys.argv[1:] if not a.startswith("--"))]
+def run_case(args: list[str]) -> str:
+    """One case (the module docstring's arguments) on the launch's process group; what it measured."""
+    flags = [a for a in args if a.startswith("--")]
+    argv = ["pipeline_worker", *(a for a in args if not a.startswith("--"))]
     schedule, virtual, mtp, tie, fp16 = argv[1], int(argv[2]) or None, int(argv[3]), int(argv[4]), int(argv[5])
     compiled = len(argv) > 6 and bool(int(argv[6]))
     recompute = len(argv) > 7 and bool(int(argv[7]))
     dp, tp, sp = (int(a) for a in argv[8:11]) if len(argv) > 8 else (1, 1, 0)
     cp = int(argv[11]) if len(argv) > 11 else 1
-    dist.init_process_group("gloo")
     pp = dist.get_world_size() // (dp * cp * tp)
     ep = next((int(a.split("=")[1]) for a in flags if a.startswith("--ep=")), 1)
     sizes = {name: size for name, size in (("pp", pp), ("dp_shard", dp // ep), ("ep", ep), ("cp", cp), ("tp", tp))
@@ -166,9 +165,7 @@ def main() -> None:
     path, error = max(errors.items(), key=lambda item: item[1])
     assert error < tolerance["leaves"], f"rank {rank}: {path} differs by rel L2 {error:.2e}"
     assert _storages(mine) == storages, f"rank {rank}: the donating step returned other tensors than it was given"
-    rank = dist.get_rank()
-    print(f"rank {rank} ok: {len(errors)} leaves, worst metric rel {worst:.1e}, worst leaf {path} {error:.1e}")
-    dist.destroy_process_group()
+    return f"{len(errors)} leaves, worst metric rel {worst:.1e}, worst leaf {path} {error:.1e}"
 
 
 def _storages(state: TrainState) -> list:
@@ -179,5 +176,4 @@ def _storages(state: TrainState) -> list:
 
 
 if __name__ == "__main__":
-    main()
-    exit_without_finalizing()
+    run_worker_cases(run_case)

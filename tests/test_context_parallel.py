@@ -2,12 +2,15 @@
 rank's queries over the gathered keys (simulated rank by rank) against whole-sequence attention,
 and the attention work per rank with and without load balancing."""
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lmfunc.parallel.context import (attend_gathered, attention_flops_per_rank, causal_pairs_per_rank,
                                      contiguous_order, from_order, load_balanced_order, to_order)
+from tests.worker_cases import Case, run_batched
 
 
 def test_rank_r_holds_chunks_r_and_2cp_minus_1_minus_r():
@@ -119,7 +122,7 @@ def test_context_parallel_runs_are_validated_with_the_field_and_value():
     pytest.param("1 2 2 1", 0, 1, 0, "none", "--moe --mla", marks=pytest.mark.slow),
     pytest.param("1 2 1 0", 0, 1, 1, "none", "--moe --mla", marks=pytest.mark.slow),
 ])
-def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compiled, recompute, flags):
+def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compiled, recompute, flags, request):
     """``DP_SHARD CP TP SP``: the one-process losses (rel 1e-5) and final params and Adam moments
     (rel L2 1e-5; compiled 2e-4) after five steps (``tests/context_worker.py``), with the split
     run's layers or attention cores recomputed as ``recompute`` says. ``flags``: the second layer
@@ -128,10 +131,16 @@ def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compi
     loads summed over the whole batch, the expert bias moved by them, all compared with one process
     through the router metrics; MLA attention over keys gathered across cp; ``--ep=2`` the experts
     split over 2 data-parallel ranks beside cp."""
-    from tests.helpers import run_torchrun
+    run_batched(request, worker_case)
 
-    sizes = [int(s) for s in mesh.split()[:3]]
-    nproc = sizes[0] * sizes[1] * sizes[2]
-    proc = run_torchrun(nproc, ["-m", "tests.context_worker", *mesh.split(), str(mtp), str(docs), str(compiled),
-                                recompute, *flags.split()])
-    assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]
+
+def worker_case(item) -> Optional[Case]:
+    """The worker case of a test of this file (``tests.worker_cases``): the eager ones of each size
+    share one launch."""
+    if item.originalname != "test_a_sequence_split_over_cp_trains_like_one_process":
+        return None
+    params = item.callspec.params
+    sizes = [int(s) for s in params["mesh"].split()[:3]]
+    args = (*params["mesh"].split(), *(str(params[name]) for name in ("mtp", "docs", "compiled", "recompute")),
+            *params["flags"].split())
+    return Case("tests.context_worker", sizes[0] * sizes[1] * sizes[2], args, not params["compiled"])

@@ -3,6 +3,7 @@
 import json
 import os
 import types
+from typing import Optional
 
 import pytest
 from torch.distributed.tensor import Replicate, Shard
@@ -12,6 +13,7 @@ from lmfunc.parallel.mesh import MESH_DIMS, check_divisibility, resolve_sizes
 from lmfunc.parallel.sharding import DEFAULT_RULES, placements_for
 from lmfunc.train.log import read_log
 from tests.dryrun_check import assert_dry_run_equals_measured
+from tests.worker_cases import OUT_ARG, Case, run_batched
 
 
 
@@ -111,15 +113,15 @@ the dry run's exactly, and its replicas all-reduce the reduced shards."""
 @pytest.mark.parametrize("layout, nproc, flags",
                          LAYOUTS + [pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_LAYOUTS],
                          ids=[f"{l}{''.join(f)}" for l, _, f in LAYOUTS + SLOW_LAYOUTS])
-def test_parallel_invariance(layout, nproc, flags, tmp_path, torchrun):
+@pytest.mark.multirank
+def test_parallel_invariance(layout, nproc, flags, request):
     """5 steps on the mesh equal 5 steps on one process: every loss, the final params and Adam moments
     (fp32, relative 1e-5 per leaf; fp16 with dynamic loss scaling, whose overflow check reduces a
     flag over the mesh, to its 16-bit rounding: losses 5e-4, params and moments 5e-3 as a whole and
     1e-2 per leaf: measured on an AMD EPYC (AVX2), the worst moment leaf 5.2e-3 and param leaf
     4.7e-3, as a whole 2.4e-3 and 4.3e-4); the mesh's initial params equal the single-process init
     exactly."""
-    out = tmp_path / "result.json"
-    torchrun(nproc, ["tests/parallel_worker.py", layout, str(out), *flags])
+    out = run_batched(request, worker_case).out
     result = json.loads(out.read_text())
     assert result["init_error"] == 0.0
     loss_tolerance, leaf_tolerance, total_tolerance = (5e-4, 1e-2, 5e-3) if "--fp16" in flags else (1e-5, 1e-5, 1e-5)
@@ -154,7 +156,8 @@ split by expert over ep, FSDP over what remains of dp_shard, whole over tp."""
 @pytest.mark.parametrize("layout, nproc, flags",
                          MOE_LAYOUTS + [pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_MOE_LAYOUTS],
                          ids=[f"{l}{''.join(f)}" for l, _, f in MOE_LAYOUTS + SLOW_MOE_LAYOUTS])
-def test_moe_and_mla_invariance(layout, nproc, flags, tmp_path, torchrun):
+@pytest.mark.multirank
+def test_moe_and_mla_invariance(layout, nproc, flags, request):
     """MoE (dropless, router losses, expert bias, shared expert; the MTP layer an MoE layer too) and
     MLA, against one process. Without expert parallelism the experts run on each rank's tokens with
     the weights whole; with ``ep`` each rank holds E / ep experts and the pairs travel to them by
@@ -172,7 +175,8 @@ def test_moe_and_mla_invariance(layout, nproc, flags, tmp_path, torchrun):
     change that token's gradient outright. With seed 0 the runs part at step 3 this way: every
     layout, and the compiled step on one process, ends a dense leaf 7e-5 from eager one process,
     while with seeds 10 and 20 the compiled step stays below 6e-6."""
-    result = check_moe_invariance(torchrun, nproc, [layout, *flags], tmp_path)
+    result = json.loads(run_batched(request, worker_case).out.read_text())
+    check_moe_invariance(result, flags)
     if "ep=" in layout:
         assert result["leaf_placements"]["layers.1.mlp.experts.w_gate"] == EXPERT_PLACEMENTS[layout], result
         dense = result["leaf_placements"]["layers.1.mlp.router.weight"]
@@ -183,31 +187,41 @@ MOE_DATA_SEED = 10
 """The first batch seed of the MoE invariance runs: data without a routing tie within fp32 rounding."""
 
 
-def check_moe_invariance(torchrun, nproc: int, args: list, tmp_path) -> dict:
-    """Run the parallel worker with ``args`` (layout, flags) on the batches of ``MOE_DATA_SEED``
-    and assert the MoE bounds above."""
-    out = tmp_path / "result.json"
-    torchrun(nproc, ["tests/parallel_worker.py", args[0], str(out), *args[1:], f"--data-seed={MOE_DATA_SEED}"])
-    result = json.loads(out.read_text())
+def worker_case(item) -> Optional[Case]:
+    """The parallel worker case of a test of this file (``tests.worker_cases``): the eager ones of
+    each size share one launch; the MoE ones train on the batches of ``MOE_DATA_SEED``."""
+    params = getattr(item, "callspec", None) and item.callspec.params
+    if item.originalname not in ("test_parallel_invariance", "test_moe_and_mla_invariance"):
+        return None
+    seed = [f"--data-seed={MOE_DATA_SEED}"] if item.originalname == "test_moe_and_mla_invariance" else []
+    flags = (*params["flags"], *seed)
+    return Case("tests.parallel_worker", params["nproc"], (params["layout"], OUT_ARG, *flags), "--compile" not in flags)
+
+
+def check_moe_invariance(result: dict, flags: list) -> None:
+    """Assert the MoE bounds above on a parallel worker ``result`` of a run with ``flags``."""
     assert result["init_error"] == 0.0
-    metric, total, leaf = (5e-4, 5e-3, 1e-2) if "--fp16" in args else (1e-5, 1e-5, 2e-5)
+    metric, total, leaf = (5e-4, 5e-3, 1e-2) if "--fp16" in flags else (1e-5, 1e-5, 2e-5)
     for got, want in zip(result["losses"], result["reference_losses"]):
         assert got == pytest.approx(want, rel=metric)
     for got, want in zip(result["grad_norms"], result["reference_grad_norms"]):  # experts counted once per shard
         assert got == pytest.approx(want, rel=metric)
     assert result["total_final_error"] < total and result["total_moment_error"] < total, result
     assert result["final_error"] < leaf and result["moment_error"] < leaf, result
-    return result
 
 
 @pytest.mark.slow
-def test_compiled_moe_and_mla_over_expert_parallel_dtensor_state_is_one_graph_that_matches_one_process(tmp_path, torchrun):
+def test_compiled_moe_and_mla_over_expert_parallel_dtensor_state_is_one_graph_that_matches_one_process(tmp_path,
+                                                                                                      torchrun):
     """The compiled MoE + MLA step on dp_shard 2 x ep 2: one graph (the dropless all-to-all's sizes
     are unbacked sizes, not a graph break) over DTensor state, the experts split by expert and the
     dense leaves sharded over both ranks, with the all-to-alls in it, and the bounds of the eager
     layouts against eager one-process training (``MOE_DATA_SEED``: why not seed 0)."""
     args = ["dp_shard=2,ep=2", "--moe", "--mla", "--compile"]
-    result = check_moe_invariance(torchrun, 2, args, tmp_path)
+    out = tmp_path / "result.json"
+    torchrun(2, ["-m", "tests.parallel_worker", args[0], str(out), *args[1:], f"--data-seed={MOE_DATA_SEED}"])
+    result = json.loads(out.read_text())
+    check_moe_invariance(result, args[1:])
     assert_dry_run_equals_measured(result, [args[0], "out.json", *args[1:]], 2)
     assert result["frames"] == 1 and result["graph_breaks"] == 0, result
     assert result["collectives"]["all_to_all_single"] > 0, result
@@ -218,7 +232,7 @@ def test_compiled_moe_and_mla_over_expert_parallel_dtensor_state_is_one_graph_th
 @pytest.mark.slow  # 3 minutes of compiling on the 2-core CI box; the bucketed dp_shard case compiles over DTensors too
 def test_compiled_step_over_dtensor_state_is_one_graph(tmp_path, torchrun):
     out = tmp_path / "result.json"
-    torchrun(4, ["tests/parallel_worker.py", "dp_shard=2,tp=2", str(out), "--sp", "--compile"])
+    torchrun(4, ["-m", "tests.parallel_worker", "dp_shard=2,tp=2", str(out), "--sp", "--compile"])
     result = json.loads(out.read_text())
     assert result["frames"] == 1 and result["graph_breaks"] == 0, result
     for got, want in zip(result["losses"], result["reference_losses"]):
@@ -241,7 +255,7 @@ def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(layout, npro
     from experiments.bench.comm import expected_compiled_counts
 
     out = tmp_path / "result.json"
-    torchrun(nproc, ["tests/parallel_worker.py", layout, str(out), "--compile"])
+    torchrun(nproc, ["-m", "tests.parallel_worker", layout, str(out), "--compile"])
     result = json.loads(out.read_text())
     assert result["frames"] == 1 and result["graph_breaks"] == 0, result
     for got, want in zip(result["losses"], result["reference_losses"]):

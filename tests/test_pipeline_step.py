@@ -11,9 +11,11 @@ step splits every sequence over cp in load-balanced order. The MoE and MLA cases
 with ``--moe --mla``. Compiled 1F1B runs beside each mesh (its stages over DTensors); on a pipeline
 alone it is ``tests/test_train_pipeline.py``'s compiled run of the trainer."""
 
+from typing import Optional
+
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.worker_cases import Case, run_batched
 
 pytestmark = pytest.mark.multirank
 
@@ -47,10 +49,9 @@ pytestmark = pytest.mark.multirank
     pytest.param(8, "1f1b", 0, 1, 1, 0, 0, 0, "2 2 1", marks=pytest.mark.slow),
     pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "1 2 1", marks=pytest.mark.slow),
 ])
-def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute, mesh):
-    proc = run_torchrun(nproc, ["-m", "tests.pipeline_worker", schedule, str(virtual), str(mtp), str(tie), str(fp16),
-                                str(compiled), str(recompute), *mesh.split()])
-    assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]
+def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute, mesh,
+                                            request):
+    run_batched(request, worker_case)
 
 
 @pytest.mark.parametrize("nproc, args", [
@@ -62,7 +63,7 @@ def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, 
     pytest.param(4, "1f1b 0 1 1 0 0 0 1 1 0 2", marks=pytest.mark.slow),
     pytest.param(4, "gpipe 0 1 1 0 0 0 1 2 1", marks=pytest.mark.slow),
 ])
-def test_moe_and_mla_stages_train_like_one_process(nproc, args):
+def test_moe_and_mla_stages_train_like_one_process(nproc, args, request):
     """A model of two layers per stage (``tests/pipeline_worker.py``) with MLA attention, every
     second layer (and the MTP layer) an MoE layer (``tests.helpers.MOE_SETTINGS``: router losses,
     the expert bias, a shared expert), split over pipeline stages: each stage's router losses join
@@ -70,5 +71,17 @@ def test_moe_and_mla_stages_train_like_one_process(nproc, args):
     grad norms, router metrics, expert biases, params and Adam moments are the one-process step's,
     as above. Slow cases: a split backward, virtual stages, compiled stages, and pp beside ep (the
     experts split over 2 data-parallel ranks), cp and tp with sequence parallelism."""
-    proc = run_torchrun(nproc, ["-m", "tests.pipeline_worker", *args.split(), "--moe", "--mla"])
-    assert proc.stdout.count(" ok: ") == nproc, proc.stdout[-2000:]
+    run_batched(request, worker_case)
+
+
+def worker_case(item) -> Optional[Case]:
+    """The worker case of a test of this file (``tests.worker_cases``): the eager ones of each size
+    share one launch."""
+    params = getattr(item, "callspec", None) and item.callspec.params
+    if item.originalname == "test_a_pipeline_trains_like_one_process":
+        args = [str(params[name]) for name in ("schedule", "virtual", "mtp", "tie", "fp16", "compiled", "recompute")]
+        return Case("tests.pipeline_worker", params["nproc"], (*args, *params["mesh"].split()), not params["compiled"])
+    if item.originalname == "test_moe_and_mla_stages_train_like_one_process":
+        args = params["args"].split()
+        return Case("tests.pipeline_worker", params["nproc"], (*args, "--moe", "--mla"), args[5] == "0")
+    return None
