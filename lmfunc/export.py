@@ -99,7 +99,7 @@ def export(args: ExportArgs) -> str:
     elif args.format == "megatron":
         from lmfunc.checkpoint.megatron import ARGUMENTS_FILE, save_megatron
 
-        save_megatron(params, cfg.model, args.out, dtype=dtype)
+        save_megatron(params, cfg.model, args.out, dtype=dtype, overwrite=args.overwrite)
         with open(os.path.join(args.out, ARGUMENTS_FILE)) as f:
             arguments = f.read()
         return (f"exported {step_dir} as megatron ({args.dtype}) to {args.out}; the model's Megatron arguments "

@@ -20,7 +20,7 @@ from lmfunc.checkpoint.megatron_layout import TE_NORM_NAMES, from_megatron_layer
 from lmfunc.checkpoint.megatron_legacy import FILE as LEGACY_FILE
 from lmfunc.config.model import ConfigError, model_preset
 from lmfunc.loss import lm_loss
-from lmfunc.tree import flatten_with_paths, tree_map, tree_unflatten_as
+from lmfunc.tree import flatten_with_paths, tree_leaves, tree_map, tree_unflatten_as
 from tests.helpers import MLA_SETTINGS, MOE_SETTINGS
 from tests.megatron_oracle import megatron_gpt, megatron_logits, megatron_on_cpu, megatron_token_losses
 
@@ -164,6 +164,31 @@ def test_a_torch_dist_save_of_megatron_core_imports_and_lmfuncs_export_loads_bac
     assert ("--moe-layer-freq '[0,1]'" in arguments) == (name == "deepseek")
 
 
+def test_a_megatron_save_replaces_another_only_when_told(tmp_path):
+    """``save_megatron`` into a folder that holds a save: refused with the folder and the way out,
+    nothing changed; a Megatron run's folder whose tracker names its own save is refused too (the
+    write would point the run's resume at the export). With ``overwrite`` the save is replaced,
+    a larger save's extra shard files removed, and what is loaded is the new save."""
+    cfg = _config("llama")
+    out = tmp_path / "export"
+    save_megatron(_params(cfg, seed=1), cfg, str(out))
+    stale = out / "release" / "__7_0.distcp"
+    stale.write_bytes(b"a shard of a save on 8 ranks")
+    with pytest.raises(ConfigError, match=rf"{out}/release holds \d+ files .* pass overwrite=True"):
+        save_megatron(_params(cfg, seed=2), cfg, str(out))
+    assert stale.exists()
+    save_megatron(_params(cfg, seed=2), cfg, str(out), overwrite=True)
+    assert not stale.exists()
+    loaded = load_megatron(str(out), cfg).params
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(loaded), tree_leaves(_params(cfg, seed=2))))
+
+    run = tmp_path / "megatron_run"
+    write_torch_dist_model(to_megatron_layers(_params(cfg), cfg), str(run), 30)
+    with pytest.raises(ConfigError, match=r"latest_checkpointed_iteration.txt names the save '30'"):
+        save_megatron(_params(cfg), cfg, str(run))
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "30" and not (run / "release").exists()
+
+
 def test_stored_megatron_arguments_must_describe_the_model(tmp_path):
     """With Megatron's ``args`` in ``common.pt``: a differing setting is named with the flag to
     pass; a setting lmfunc cannot express is refused by name; a matching one imports, with the
@@ -183,7 +208,7 @@ def test_stored_megatron_arguments_must_describe_the_model(tmp_path):
     with pytest.raises(ConfigError, match=r"num_query_groups is 2 there, 4 here.*pass --model.num-query-groups 2"):
         load_megatron(str(tmp_path), dataclasses.replace(cfg, num_query_groups=4))
     args.rotary_interleaved = True
-    write_torch_dist_model(tensors, str(tmp_path), 40, {"args": args, "iteration": 40})
+    write_torch_dist_model(tensors, str(tmp_path), 40, {"args": args, "iteration": 40}, overwrite=True)
     with pytest.raises(ConfigError, match=r"cannot express: rotary_interleaved=True: interleaved RoPE"):
         load_megatron(str(tmp_path), cfg)
 

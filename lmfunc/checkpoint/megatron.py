@@ -153,7 +153,7 @@ def read_common(directory: str) -> dict:
 
 
 def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteration: Optional[int] = None,
-                           common: Optional[dict] = None, stack_layers: bool = True) -> str:
+                           common: Optional[dict] = None, stack_layers: bool = True, overwrite: bool = False) -> str:
     """Write Megatron-named, per-layer ``tensors`` (``decoder.layers.<i>.*``) as a ``torch_dist``
     save under the save directory ``path``: ``iter_NNNNNNN/`` (``release/`` when ``iteration`` is
     None) with ``metadata.json``, ``common.pt`` and the tracker file. Returns the save's directory.
@@ -163,9 +163,13 @@ def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteratio
     Megatron stores each linear module's extra state (Transformer Engine's FP8 metadata; None
     without TE) as pickled objects beside its weight, one per layer and expert,
     ``<module>._extra_state/shard_<offsets>_<sizes>``, and refuses a save without them; each is
-    written here as None, the state of a module that has not run in FP8 (``_extra_states``)."""
+    written here as None, the state of a module that has not run in FP8 (``_extra_states``).
+
+    A save directory that already holds files, or a tracker file that names another save, is
+    replaced only with ``overwrite`` (``_clear_for_save``)."""
     name = "release" if iteration is None else f"iter_{iteration:07d}"
     directory = os.path.join(path, name)
+    _clear_for_save(path, name, overwrite)
     os.makedirs(directory, exist_ok=True)
     stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
     flat: dict[str, torch.Tensor] = {}
@@ -187,6 +191,27 @@ def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteratio
     with open(os.path.join(path, TRACKER), "w") as f:
         f.write("release" if iteration is None else str(iteration))
     return directory
+
+
+def _clear_for_save(path: str, name: str, overwrite: bool) -> None:
+    """Make way for the save ``name`` (``release`` or ``iter_NNNNNNN``) under ``path``. Without
+    ``overwrite``, raise ``ConfigError`` when ``path/name`` holds files or ``path``'s tracker file
+    names another save: the write would mix its shards with another save's, or point a Megatron run
+    resuming from ``path`` at this save instead of its own. With it, remove the files a
+    ``torch_dist`` save consists of from ``path/name`` (shards of a save on more ranks than this
+    one would otherwise stay beside it); anything else there is left alone."""
+    directory, tracker = os.path.join(path, name), os.path.join(path, TRACKER)
+    existing = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    named = open(tracker).read().strip() if os.path.isfile(tracker) else None
+    tracked = named if named in (None, "release") else (f"iter_{int(named):07d}" if named.isdigit() else named)
+    if not overwrite and (existing or tracked not in (None, name)):
+        found = f"{directory} holds {len(existing)} files (e.g. {existing[0]})" if existing else \
+            f"{tracker} names the save {named!r}, which this write would replace as the one to resume from"
+        raise ConfigError(f"writing a Megatron save to {path}: {found}; pick another folder, or pass "
+                          "overwrite=True (--overwrite for lmfunc.export) to replace it")
+    for entry in existing:
+        if entry.endswith(".distcp") or entry in (".metadata", COMMON, METADATA):
+            os.remove(os.path.join(directory, entry))
 
 
 def _extra_states(flat: dict[str, torch.Tensor], num_layers: int) -> dict[str, list]:
@@ -293,18 +318,19 @@ ARGUMENTS_FILE = "megatron_args.txt"
 
 
 def save_megatron(params: PyTree, cfg: ModelConfig, path: str, iteration: Optional[int] = None,
-                  dtype: Optional[torch.dtype] = None) -> str:
+                  dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> str:
     """Write full ``params`` as a Megatron ``torch_dist`` save under ``path`` (``release/``, or
     ``iter_NNNNNNN/`` for an ``iteration``) with the tracker file, and ``path/megatron_args.txt``:
     the arguments that build the matching megatron-core ``GPTModel`` (``megatron_arguments``).
     megatron-core's ``dist_checkpointing.load`` reads it into such a model at any TP/PP layout.
+    An existing save there is replaced only with ``overwrite`` (``write_torch_dist_model``).
     Returns the save's directory."""
     tensors = {name: tensor.to(dtype or tensor.dtype) for name, tensor in to_megatron_layers(params, cfg).items()}
     tensors |= local_spec_aliases(tensors, cfg)
     common = {"checkpoint_version": 3.0} | ({"iteration": iteration} if iteration is not None else {})
     # megatron-core stacks the layers unless --moe-layer-freq is a pattern (megatron_arguments
     # writes one for any model that mixes dense and MoE layers).
-    directory = write_torch_dist_model(tensors, path, iteration, common,
+    directory = write_torch_dist_model(tensors, path, iteration, common, overwrite=overwrite,
                                        stack_layers=cfg.num_experts is None or all(cfg.moe_layers))
     with open(os.path.join(path, ARGUMENTS_FILE), "w") as f:
         f.write(" \\\n".join(argument for argument in megatron_arguments(cfg) if not argument.startswith("#")) + "\n")
