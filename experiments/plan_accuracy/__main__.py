@@ -15,7 +15,8 @@ run time).
 A case whose ``parallel`` section asks for more than one process (``cp: 2``) runs under ``torchrun``
 with gloo, each rank measuring its own step over its DTensor shards; the table shows the
 most-loaded rank, which is what the plan predicts.
-``python -m experiments.plan_accuracy [--quick]``.
+``python -m experiments.plan_accuracy [--quick] [--cases NAME,NAME]`` (``--cases``: only those cases
+of the config, e.g. the one-process ones apart from those under torchrun).
 """
 
 from __future__ import annotations
@@ -194,9 +195,19 @@ def main(argv=None) -> None:
             print(json.dumps(result))
         from lmfunc.train.__main__ import exit_without_finalizing
         exit_without_finalizing()  # gloo's threads can abort a finalizing interpreter (see there)
+    chosen = None
+    if "--cases" in argv:
+        at = argv.index("--cases")
+        chosen, argv = argv[at + 1].split(",") if at + 1 < len(argv) else [], argv[:at] + argv[at + 2:]
     options = parse_options("plan_accuracy", __doc__.splitlines()[0], argv)
     config = HERE / ("quick.yaml" if options.quick else "config.yaml")
     cases = case_configs(config)
+    if chosen is not None:
+        unknown = [name for name in chosen if name not in cases]
+        if unknown or not chosen:
+            raise SystemExit(f"--cases {','.join(chosen)}: {config.name} has no case {', '.join(unknown) or '(none given)'}; "
+                             f"its cases are {', '.join(cases)}")
+        cases = {name: cases[name] for name in chosen}
     path = options.results / "measured.json"
     if options.report_only:
         results = json.loads(path.read_text())
