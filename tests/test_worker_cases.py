@@ -16,7 +16,7 @@ def test_cases_are_the_arguments_between_case_flags():
 
 
 @pytest.mark.multirank
-def test_one_launch_runs_the_module_s_cases_and_each_test_sees_its_own():
+def test_one_launch_runs_the_module_s_cases_and_each_test_sees_its_own(tmp_path_factory):
     """Four tests of one module (simulated items) share a 2-rank launch of the probe worker; the
     first asks, the launch runs all four in their order: the first passes with its own lines, the
     failing one fails with its error, the two after it fail as not finished, and no second
@@ -24,7 +24,8 @@ def test_one_launch_runs_the_module_s_cases_and_each_test_sees_its_own():
     module = types.ModuleType("probe_tests")
     items = [types.SimpleNamespace(module=module, name=name) for name in ("first", "fail", "after", "last")]
     cases = {item.name: Case("tests.worker_cases_probe", 2, (item.name, "x")) for item in items}
-    request = types.SimpleNamespace(node=items[0], session=types.SimpleNamespace(items=items))
+    request = types.SimpleNamespace(node=items[0], session=types.SimpleNamespace(items=items),
+                                    getfixturevalue={"tmp_path_factory": tmp_path_factory}.__getitem__)
 
     def case_of(item):
         return cases[item.name]

@@ -106,7 +106,7 @@ def run_batched(request, case_of: Callable[[object], Optional[Case]]) -> CaseRes
     launch with every selected test of this module whose ``Case`` is shared and has the same worker
     and size. Fails the test with the launch's output when a rank failed it or the launch stopped
     before it."""
-    import tempfile
+    import subprocess
 
     import pytest
 
@@ -121,18 +121,25 @@ def run_batched(request, case_of: Callable[[object], Optional[Case]]) -> CaseRes
                 if (other is not None and other.shared and other not in _LINES and other not in batch
                         and (other.worker, other.nproc) == (mine.worker, mine.nproc)):
                     batch.append(other)
-        folder = pathlib.Path(tempfile.mkdtemp(prefix="lmfunc-cases-"))
+        folder = request.getfixturevalue("tmp_path_factory").mktemp("worker-cases")
         argv = []
         for index, case in enumerate(batch):
             _OUT[case] = folder / f"case{index}.json"
             argv += [CASE_FLAG, *(str(_OUT[case]) if arg == OUT_ARG else arg for arg in case.args)]
-        proc = run_torchrun_unchecked(mine.nproc, ["-m", mine.worker, *argv], timeout=600 + 120 * (len(batch) - 1))
+        timeout = 600 + 120 * (len(batch) - 1)
+        try:
+            proc = run_torchrun_unchecked(mine.nproc, ["-m", mine.worker, *argv], timeout=timeout)
+            ended = f"exited {proc.returncode}"
+        except subprocess.TimeoutExpired as expired:  # recorded, so the batch's other tests do not launch it again
+            output = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout or ""
+            proc, ended = subprocess.CompletedProcess(expired.cmd, -9, output, ""), f"was killed after {timeout} s"
         for index, case in enumerate(batch):
-            _LINES[case] = [match.group(1) for match in re.finditer(rf"case {index} (rank \d+ (?:ok|FAILED): .*)$", proc.stdout, re.M)]
+            _LINES[case] = [match.group(1) for match in
+                            re.finditer(rf"case {index} (rank \d+ (?:ok|FAILED): .*)$", proc.stdout, re.M)]
         if proc.returncode != 0:
             for case in batch:
                 if not any(" FAILED: " in line for line in _LINES[case]) and len(_LINES[case]) < case.nproc:
-                    _LINES[case].append(f"not finished: the launch exited {proc.returncode}")
+                    _LINES[case].append(f"not finished: the launch {ended}")
             output = proc.stdout[-3000:] + proc.stderr[-5000:]
             for case in batch:
                 if len(_LINES[case]) != case.nproc or any(" ok: " not in line for line in _LINES[case]):

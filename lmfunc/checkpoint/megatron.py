@@ -57,9 +57,8 @@ def iteration_dir(path: str) -> str:
         raise ConfigError(f"checkpoint.load_megatron: {path} is not a directory")
     tracker = os.path.join(path, TRACKER)
     if os.path.exists(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        text = _tracker_text(tracker)
+        name = _save_name(text)
         if name is None:
             raise ConfigError(f"checkpoint.load_megatron: {tracker} holds {text!r}, neither an iteration nor 'release'")
         found = os.path.join(path, name)
@@ -74,6 +73,19 @@ def iteration_dir(path: str) -> str:
         return os.path.join(path, saves[-1])
     raise ConfigError(f"checkpoint.load_megatron: {path} is neither a Megatron save directory (no {TRACKER}, no "
                       "iter_NNNNNNN/) nor one save (iter_NNNNNNN/ or release/)")
+
+
+def _tracker_text(tracker: str) -> str:
+    """The stripped text of a tracker file (``latest_checkpointed_iteration.txt``)."""
+    with open(tracker) as f:
+        return f.read().strip()
+
+
+def _save_name(tracker_text: str) -> Optional[str]:
+    """The save a tracker file's text names: ``release``, ``iter_NNNNNNN``, or None for other text."""
+    if tracker_text == "release":
+        return "release"
+    return f"iter_{int(tracker_text):07d}" if tracker_text.isdigit() else None
 
 
 def checkpoint_format(directory: str) -> str:
@@ -202,9 +214,8 @@ def _clear_for_save(path: str, name: str, overwrite: bool) -> None:
     one would otherwise stay beside it); anything else there is left alone."""
     directory, tracker = os.path.join(path, name), os.path.join(path, TRACKER)
     existing = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    named = open(tracker).read().strip() if os.path.isfile(tracker) else None
-    tracked = named if named in (None, "release") else (f"iter_{int(named):07d}" if named.isdigit() else named)
-    if not overwrite and (existing or tracked not in (None, name)):
+    named = _tracker_text(tracker) if os.path.isfile(tracker) else None
+    if not overwrite and (existing or (named is not None and _save_name(named) != name)):
         found = f"{directory} holds {len(existing)} files (e.g. {existing[0]})" if existing else \
             f"{tracker} names the save {named!r}, which this write would replace as the one to resume from"
         raise ConfigError(f"writing a Megatron save to {path}: {found}; pick another folder, or pass "
