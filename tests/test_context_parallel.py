@@ -124,7 +124,7 @@ def test_context_parallel_runs_are_validated_with_the_field_and_value():
 ])
 def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compiled, recompute, flags, request):
     """``DP_SHARD CP TP SP``: the one-process losses (rel 1e-5) and final params and Adam moments
-    (rel L2 1e-5; compiled 2e-4) after five steps (``tests/context_worker.py``), with the split
+    (rel L2 1e-5; compiled 2e-4) within five steps (``tests/context_worker.py``), with the split
     run's layers or attention cores recomputed as ``recompute`` says. ``flags``: the second layer
     (and the MTP layer) an MoE layer, every token routed on the rank that holds it, the router losses
     (``--seq-aux``: the sequence-level balance loss, whose per-sequence sums add up over cp) and

@@ -115,7 +115,7 @@ the dry run's exactly, and its replicas all-reduce the reduced shards."""
                          ids=[f"{l}{''.join(f)}" for l, _, f in LAYOUTS + SLOW_LAYOUTS])
 @pytest.mark.multirank
 def test_parallel_invariance(layout, nproc, flags, request):
-    """5 steps on the mesh equal 5 steps on one process: every loss, the final params and Adam moments
+    """3 steps on the mesh equal 3 steps on one process: every loss, the final params and Adam moments
     (fp32, relative 1e-5 per leaf; fp16 with dynamic loss scaling, whose overflow check reduces a
     flag over the mesh, to its 16-bit rounding: losses 5e-4, params and moments 5e-3 as a whole and
     1e-2 per leaf: measured on an AMD EPYC (AVX2), the worst moment leaf 5.2e-3 and param leaf
