@@ -8,8 +8,9 @@ compiles the stages and the update; ``recompute`` turns on full recompute and a 
 layer; ``mesh`` ("DP_SHARD TP SP [CP]") puts the pipeline beside dp_shard, tp and/or cp (pp 2 x 2 on 4
 ranks, pp 2 x 2 x 2 on 8), where the reference is the same layout without the pipeline; with cp the
 step splits every sequence over cp in load-balanced order. The MoE and MLA cases run the same worker
-with ``--moe --mla``. Compiled 1F1B runs beside each mesh (its stages over DTensors); on a pipeline
-alone it is ``tests/test_train_pipeline.py``'s compiled run of the trainer."""
+with ``--moe --mla``. Compiled 1F1B runs beside each mesh (its stages over DTensors, without dropout:
+``tests.pipeline_worker.hidden_dropout``); on a pipeline alone it is ``tests/test_train_pipeline.py``'s
+compiled run of the trainer."""
 
 from typing import Optional
 
