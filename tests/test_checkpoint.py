@@ -128,3 +128,48 @@ def test_partial_saves_are_ignored_and_removed(tmp_path):
     assert sorted(os.listdir(directory)) == ["iter_0000010", "iter_0000030", "iter_0000040.tmp", TRACKER]
     with pytest.raises(FileNotFoundError, match="complete steps in .*: \\[10\\]"):
         reopened.restore(_state(0), 30)
+
+
+class Killed(BaseException):
+    """What a SIGKILL at that point would leave: the call stops there."""
+
+
+def test_a_kill_while_a_save_is_created_or_an_old_one_deleted_leaves_a_save_dir_that_reopens(tmp_path, monkeypatch):
+    """A save's directory appears under its ``iter_*.tmp`` name only with the in-progress marker in
+    it, and a pruned checkpoint leaves its ``iter_*`` name before its files go: a kill at either
+    moment leaves no unmarked ``iter_*`` entry (which a resume would refuse as not lmfunc's), and
+    reopening removes the hidden leftovers and keeps the complete checkpoint."""
+    import shutil
+
+    import lmfunc.checkpoint.manager as manager_module
+
+    directory = str(tmp_path)
+    manager = CheckpointManager(directory, keep=1, async_save=False)
+    manager.save(1, _state(1))
+
+    def killed_before_the_marker(path, *args, **kwargs):
+        raise Killed
+
+    with monkeypatch.context() as patch:  # killed right after the directory was made
+        patch.setattr(manager_module, "open", killed_before_the_marker, raising=False)
+        with pytest.raises(Killed):
+            manager.save(2, _state(2))
+    assert not any(name.startswith("iter_0000002") for name in os.listdir(directory))
+
+    real_rmtree = shutil.rmtree
+
+    def killed_mid_delete(path, *args, **kwargs):
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            return real_rmtree(path, *args, **kwargs)
+        os.remove(os.path.join(path, MARKER))  # the marker went first, the shards are still there
+        raise Killed
+
+    with monkeypatch.context() as patch:  # keep=1: the save of step 3 prunes step 1, killed during it
+        patch.setattr(shutil, "rmtree", killed_mid_delete)
+        with pytest.raises(Killed):
+            manager.save(3, _state(3))
+    assert "iter_0000001" not in os.listdir(directory) and latest_step(directory) == 3
+
+    reopened = CheckpointManager(directory, keep=1, async_save=False)
+    assert sorted(os.listdir(directory)) == ["iter_0000003", TRACKER]
+    _assert_equal(reopened.restore(_state(0), 3), _state(3))

@@ -9,13 +9,16 @@
         metadata.json                             the completion marker, written last
 
 A save writes into ``iter_0000100.tmp/`` (created with the in-progress marker
-``.lmfunc-in-progress``), adds the completion marker once every rank's shards are written, renames
+``.lmfunc-in-progress`` already in it: made and marked under a hidden name, then renamed), adds the completion marker once every rank's shards are written, renames
 the directory to ``iter_0000100`` and only then updates the tracker, so a crash at any moment
 leaves the previous checkpoint as the newest complete one. Saves may run in the background (one at
 a time); the newest ``keep`` complete checkpoints are kept.
 
 lmfunc deletes only what it wrote: unfinished saves carrying the in-progress marker (when a
-manager opens ``save_dir``) and its own complete checkpoints beyond ``keep``. Any other
+manager opens ``save_dir``) and its own complete checkpoints beyond ``keep``. A directory it deletes
+is first renamed to a hidden name (``.lmfunc-removing-*``), so a kill during the deletion never
+leaves a half-deleted ``iter_*`` entry without its marker; what such a kill leaves is removed when
+a manager next opens ``save_dir``. Any other
 ``iter_*`` entry (a Megatron checkpoint, a copy without the marker) is never loaded, pruned or
 removed: ``check_save_dir`` refuses such a save_dir, naming what it found.
 """
@@ -40,6 +43,8 @@ from lmfunc.tree import PyTree, local_tree_bytes
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "metadata.json"
 IN_PROGRESS = ".lmfunc-in-progress"
+CREATING, REMOVING = ".lmfunc-creating-", ".lmfunc-removing-"
+"""Prefixes of the hidden names under which lmfunc makes an unfinished save and deletes a directory."""
 BACKEND = "torch_dcp"
 _STEP_DIR = re.compile(r"^iter_(\d{7,})$")
 _ANY_STEP_DIR = re.compile(r"^iter_\d+")
@@ -95,6 +100,27 @@ def _marker(path: str) -> Optional[dict]:
     except (OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) else None
+
+
+def _create_unfinished_save(tmp: str) -> None:
+    """Create the directory ``tmp`` holding the in-progress marker: made and marked under a hidden
+    name, then renamed, so a kill at any moment leaves either no ``tmp`` or a marked one."""
+    staging = os.path.join(os.path.dirname(tmp), f"{CREATING}{os.path.basename(tmp)}-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.mkdir(staging)
+    open(os.path.join(staging, IN_PROGRESS), "w").close()
+    os.rename(staging, tmp)
+
+
+def _remove_own(path: str) -> None:
+    """Delete the directory ``path``, which lmfunc wrote: renamed to a hidden name first, so that a
+    kill during the deletion leaves no half-deleted entry under ``path``'s name."""
+    trash = os.path.join(os.path.dirname(path), f"{REMOVING}{os.path.basename(path)}-{os.getpid()}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def is_lmfunc_checkpoint(path: str) -> bool:
@@ -180,15 +206,18 @@ def latest_step(directory: str) -> Optional[int]:
 
 def remove_partial(directory: str) -> list[str]:
     """Delete lmfunc's unfinished saves in ``directory`` (``iter_*.tmp`` directories with the
-    in-progress marker, and nothing else); return their names."""
+    in-progress marker, and nothing else) and return their names; also delete what a kill left of
+    lmfunc's own hidden directories (``CREATING``, ``REMOVING``)."""
     if not os.path.isdir(directory):
         return []
     removed = []
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
         if _ANY_STEP_DIR.match(name) and _is_unfinished_save(path):
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_own(path)
             removed.append(name)
+        elif name.startswith((CREATING, REMOVING)) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
@@ -246,9 +275,8 @@ class CheckpointManager:
             try:
                 if os.path.exists(tmp) and not _is_unfinished_save(tmp):
                     raise ConfigError(f"checkpoint save: {tmp} exists and was not written by lmfunc; move it away")
-                shutil.rmtree(tmp, ignore_errors=True)
-                os.makedirs(tmp)
-                open(os.path.join(tmp, IN_PROGRESS), "w").close()
+                _remove_own(tmp)
+                _create_unfinished_save(tmp)
                 for name, text in (files or {}).items():
                     with open(os.path.join(tmp, name), "w") as f:
                         f.write(text)
@@ -300,7 +328,7 @@ class CheckpointManager:
         unfinished directory (rank 0): a full disk is named as such, with the bytes needed."""
         free = shutil.disk_usage(self.directory).free if os.path.isdir(self.directory) else 0
         if _rank() == 0:
-            shutil.rmtree(self.path(step) + ".tmp", ignore_errors=True)
+            _remove_own(self.path(step) + ".tmp")
         if _no_space(err) or free < nbytes:
             what = (f"no space left on {self.directory} (this process's part of the checkpoint needs about "
                     f"{nbytes / 2**20:.1f} MiB, {free / 2**20:.1f} MiB were free)")
@@ -320,14 +348,14 @@ class CheckpointManager:
         if os.path.exists(final):
             if not is_lmfunc_checkpoint(final):
                 raise ConfigError(f"checkpoint save: {describe_foreign(final)} is in the way and was not written by lmfunc")
-            shutil.rmtree(final)
+            _remove_own(final)
         os.rename(tmp, final)
         _write_atomically(os.path.join(self.directory, TRACKER), f"{step}\n")
         self.damaged.discard(step)
         if self.keep is not None:
             for old in [s for s in self.steps() if s not in self.damaged][:-self.keep]:
                 if old != step:
-                    shutil.rmtree(self.path(old), ignore_errors=True)
+                    _remove_own(self.path(old))
 
     def in_flight(self) -> Optional[int]:
         """The step of the background save still being written, if any (finishing a done one)."""
