@@ -8,10 +8,10 @@
         config.yaml ...                           files handed to ``save`` (the run's config)
         metadata.json                             the completion marker, written last
 
-A save writes into ``iter_0000100.tmp/`` (created with the in-progress marker
-``.lmfunc-in-progress`` already in it: made and marked under a hidden name, then renamed), adds the completion marker once every rank's shards are written, renames
-the directory to ``iter_0000100`` and only then updates the tracker, so a crash at any moment
-leaves the previous checkpoint as the newest complete one. Saves may run in the background (one at
+A save writes into ``iter_0000100.tmp/`` (made and marked with the in-progress marker
+``.lmfunc-in-progress`` under a hidden name, then renamed), adds the completion marker once every
+rank's shards are written, renames the directory to ``iter_0000100`` and only then updates the
+tracker, so a crash at any moment leaves the previous checkpoint as the newest complete one. Saves may run in the background (one at
 a time); the newest ``keep`` complete checkpoints are kept.
 
 lmfunc deletes only what it wrote: unfinished saves carrying the in-progress marker (when a
@@ -120,6 +120,8 @@ def _remove_own(path: str) -> None:
         os.rename(path, trash)
     except FileNotFoundError:
         return
+    except OSError:  # cannot rename (permissions): delete in place, as far as it goes
+        trash = path
     shutil.rmtree(trash, ignore_errors=True)
 
 
