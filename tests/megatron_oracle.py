@@ -165,13 +165,14 @@ def megatron_token_losses(gpt, tokens: torch.Tensor, labels: torch.Tensor,
 @contextlib.contextmanager
 def megatron_optimizer_on_cpu() -> Iterator[None]:
     """megatron-core's plain (not distributed) optimizer on the CPU: its modules make a few small
-    tensors with ``device="cuda"`` (the loss-scale placeholder, the grad-norm buffers), which are made
+    tensors with ``device="cuda"`` (the loss-scale placeholder, the grad-norm buffers, the dynamic
+    loss scaler's numbers), which are made
     on the CPU instead while this holds. Clipping asserts CUDA gradients: build the optimizer with
     ``clip_grad=0``."""
     import types
 
     from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer import clip_grads, grad_scaler, optimizer
 
     def on_cpu(make):
         return lambda *args, device=None, **kwargs: make(*args, device="cpu" if device == "cuda" else device, **kwargs)
@@ -180,7 +181,7 @@ def megatron_optimizer_on_cpu() -> Iterator[None]:
     for name in ("tensor", "zeros", "ones", "empty", "full"):
         setattr(shim, name, on_cpu(getattr(torch, name)))
     patches = pytest.MonkeyPatch()
-    for module in (utils, clip_grads, optimizer):
+    for module in (utils, clip_grads, optimizer, grad_scaler):
         patches.setattr(module, "torch", shim)
     try:
         yield
@@ -188,19 +189,50 @@ def megatron_optimizer_on_cpu() -> Iterator[None]:
         patches.undo()
 
 
-def megatron_adam(gpt, lr: float, weight_decay: float, betas: tuple[float, float], eps: float):
-    """``(ddp, optimizer)``: megatron-core's DDP wrapper of ``gpt`` and its Adam (fp32, no clipping,
-    the plain optimizer), inside ``megatron_on_cpu`` and ``megatron_optimizer_on_cpu``. A step:
-    ``ddp.zero_grad_buffer()``, the backward, ``ddp.finish_grad_sync()``, ``optimizer.step()``.
-    Each parameter group's weight decay is ``weight_decay`` times its ``wd_mult`` (0 for norms and
-    biases), as Megatron-LM's ``OptimizerParamScheduler`` sets it before every step."""
+def megatron_adam(gpt, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
+                  dtype: torch.dtype = torch.float32, **loss_scaling):
+    """``(ddp, optimizer)``: megatron-core's DDP wrapper of ``gpt`` and its Adam (no clipping, the
+    plain optimizer), inside ``megatron_on_cpu`` and ``megatron_optimizer_on_cpu``. A step:
+    ``ddp.zero_grad_buffer()``, the backward of the loss times ``optimizer.get_loss_scale()``,
+    ``ddp.finish_grad_sync()``, ``optimizer.step()``. Each parameter group's weight decay is
+    ``weight_decay`` times its ``wd_mult`` (0 for norms and biases), as Megatron-LM's
+    ``OptimizerParamScheduler`` sets it before every step.
+
+    ``dtype`` fp16 or bf16: Megatron-LM's mixed precision, ``--fp16``/``--bf16`` with
+    ``--accumulate-allreduce-grads-in-fp32``: the model in ``Float16Module`` (its params in
+    ``dtype``, fp32 logits), the gradients summed in fp32, and the mixed-precision optimizer with fp32
+    master weights (``Float16OptimizerWithFloat16Params``), for fp16 with the dynamic loss scaler
+    ``loss_scaling`` configures (``OptimizerConfig``'s ``initial_loss_scale``, ``loss_scale_window``,
+    ``hysteresis``, ``min_loss_scale``). That optimizer accepts only CUDA tensors by their type name,
+    so CPU tensors report CUDA's while it is built."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
-    ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(), gpt)
+    mixed = dtype != torch.float32
+    model = gpt
+    if mixed:
+        gpt.config.fp16, gpt.config.bf16 = dtype == torch.float16, dtype == torch.bfloat16
+        model = Float16Module(gpt.config, gpt)
+    ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=mixed), model)
     config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
-                             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0)
-    adam = get_megatron_optimizer(config, [ddp])
+                             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, fp16=dtype == torch.float16,
+                             bf16=dtype == torch.bfloat16, params_dtype=dtype, **loss_scaling)
+    with pytest.MonkeyPatch.context() as patches:
+        if mixed:
+            cpu_type = torch.Tensor.type
+
+            def cuda_type(tensor, *args, **kwargs):
+                name = cpu_type(tensor, *args, **kwargs)
+                return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and ".cuda." not in name else name
+
+            patches.setattr(torch.Tensor, "type", cuda_type)
+        adam = get_megatron_optimizer(config, [ddp])
     for group in adam.param_groups:
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
     return ddp, adam
+
+
+def fp32_master_weights(gpt) -> dict[str, torch.Tensor]:
+    """The mixed-precision optimizer's fp32 master weights of ``gpt``'s params, by state-dict name."""
+    return {name: param.main_param.detach().clone() for name, param in gpt.named_parameters()}

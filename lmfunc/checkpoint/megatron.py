@@ -309,16 +309,23 @@ def load_megatron(path: str, cfg: ModelConfig) -> MegatronCheckpoint:
     return MegatronCheckpoint(params, directory, kind, int(iteration) if iteration is not None else None, args)
 
 
+def run_record(directory: str) -> tuple[dict, str]:
+    """What a save directory (``iter_NNNNNNN/`` or ``release/``) holds besides the model's tensors, and
+    the file it came from: ``common.pt`` of a ``torch_dist`` save, or the first rank's legacy file less
+    its ``model`` (Megatron's training loop writes ``args``, ``iteration`` and the optimizer's
+    unsharded state, its loss scaler included, there)."""
+    if checkpoint_format(directory) == "torch_dist":
+        return read_common(directory), os.path.join(directory, COMMON)
+    source = os.path.join(directory, sorted(e for e in os.listdir(directory) if e.startswith("mp_rank_"))[0], LEGACY_FILE)
+    return {key: value for key, value in load_rank_file(source).items() if key != "model"}, source
+
+
 def megatron_run_state(path: str) -> tuple[Optional[int], Optional[Namespace], str]:
     """(Megatron's iteration, its ``args``, the file they came from) of the save ``path`` names
     (``iteration_dir``); None for what the save does not hold. A ``release`` save has no
     iteration."""
     directory = iteration_dir(path)
-    if checkpoint_format(directory) == "torch_dist":
-        other, source = read_common(directory), os.path.join(directory, COMMON)
-    else:
-        source = os.path.join(directory, sorted(e for e in os.listdir(directory) if e.startswith("mp_rank_"))[0], LEGACY_FILE)
-        other = {key: value for key, value in load_rank_file(source).items() if key != "model"}
+    other, source = run_record(directory)
     iteration = other.get("iteration")
     release = os.path.basename(os.path.normpath(directory)) == "release"
     return (None if release or iteration is None else int(iteration)), other.get("args"), source

@@ -241,7 +241,8 @@ def schedule_mismatches(args: Namespace, settings: dict[str, Any]) -> dict[str, 
     """Where lmfunc's lr schedule, batch and loss normalisation (``settings``: lr, min_lr,
     lr_decay_style, lr_warmup_init, the resolved warmup and decay in iterations,
     global_batch_size, calculate_per_token_loss, whose default differs: Megatron's False scales the
-    router losses' gradient otherwise) differ from the ones Megatron's ``args`` ran with: ``{name: (Megatron's, lmfunc's, the lmfunc flag that
+    router losses' gradient otherwise; and, when both runs scale an fp16 loss dynamically, the
+    scaler's loss_scale_window, hysteresis and min_loss_scale) differ from the ones Megatron's ``args`` ran with: ``{name: (Megatron's, lmfunc's, the lmfunc flag that
     sets it to Megatron's)}``. Megatron's decay defaults to its ``train_iters``; a
     ``--lr-warmup-fraction`` is resolved as Megatron does."""
     decay = _get(args, "lr_decay_iters") or _get(args, "train_iters")
@@ -252,7 +253,11 @@ def schedule_mismatches(args: Namespace, settings: dict[str, Any]) -> dict[str, 
               "lr_warmup_init": _get(args, "lr_warmup_init", 0.0), "lr_warmup_iters": warmup, "lr_decay_iters": decay,
               "global_batch_size": _get(args, "global_batch_size"),
               "calculate_per_token_loss": bool(_get(args, "calculate_per_token_loss", False))}
-    options = {"global_batch_size": "--run.global-batch-size"}
+    if _get(args, "fp16", False) and _get(args, "loss_scale") is None:  # Megatron's dynamic loss scaler
+        theirs |= {"loss_scale_window": _get(args, "loss_scale_window", 1000), "hysteresis": _get(args, "hysteresis", 2),
+                   "min_loss_scale": _get(args, "min_loss_scale", 1.0)}
+    options = {"global_batch_size": "--run.global-batch-size", "loss_scale_window": "--precision.loss-scale-window",
+               "hysteresis": "--precision.hysteresis", "min_loss_scale": "--precision.min-loss-scale"}
     out = {}
     for name, value in theirs.items():
         if value is None or name not in settings:

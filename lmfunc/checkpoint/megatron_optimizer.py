@@ -9,25 +9,27 @@ Which of Megatron's optimizer formats are read:
   also the fp32 master weights, ``optimizer.state.fp32_param.<key>``), and the step count in
   ``common.pt`` (the plain optimizer's ``common_step``, the distributed one's param groups' ``step``).
   These are read, through the same layouts as the weights (``megatron_layout``: a moment is laid
-  out as its parameter). The plain optimizer's save is tested against megatron-core on the CPU; the
+  out as its parameter). The plain optimizer's saves (fp32, and fp16 or bf16 with fp32 master
+  weights) are tested against megatron-core on the CPU; the
   distributed optimizer needs CUDA tensors, so its keys here follow megatron-core's source
   (``DistributedOptimizer.sharded_param_state_fs_model_space`` and ``state_dict``).
 - The distributed optimizer's flattened formats (``dp_zero_gather_scatter``, ``fully_sharded_bucket_space``:
   ``optimizer.distributed.*``, buffers in the data-parallel ranks' order) and the legacy format's
   pickled optimizer (integer parameter ids, per-rank shards): not read. A run from such a save
   starts with fresh moments, as Megatron's ``--no-load-optim``, and says which format it found.
-The loss scale is not read (fp16 runs start at lmfunc's initial scale).
+The fp16 loss scaler's state (``grad_scaler`` in the optimizer's unsharded state: ``common.pt``, or
+the legacy rank file, whose optimizer state is otherwise not read) is read too, in either format.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from lmfunc.checkpoint.megatron import (
-    COMMON, checkpoint_format, iteration_dir, read_common, read_torch_dist_model, torch_dist_keys,
+    COMMON, checkpoint_format, iteration_dir, read_common, read_torch_dist_model, run_record, torch_dist_keys,
 )
 from lmfunc.checkpoint.megatron_layout import from_megatron_layers
 from lmfunc.config.model import ModelConfig
@@ -62,24 +64,54 @@ def _unread(what: str) -> MegatronAdam:
     return MegatronAdam(None, None, 0, None, what)
 
 
-def _common_step(common: dict) -> Optional[int]:
-    """Adam's step count in ``common.pt``'s optimizer state: the plain optimizer's ``common_step``
-    (``{"state": {"common_step": n}, "param_groups": ...}``) or the distributed optimizer's
-    param groups' ``step`` (``{"optimizer": {"param_groups": [{"step": n}, ...]}}``), of the one
-    optimizer or the first of a chain (a list, or a dict by index) that has one."""
+def _optimizer_states(common: dict) -> list[dict]:
+    """The optimizer states in ``common.pt`` (or a legacy file's unsharded record): the one
+    optimizer's, or each of a chain's (a list, or a dict by index)."""
     optimizer = common.get("optimizer")
     if isinstance(optimizer, dict) and not {"state", "optimizer", "param_groups"} & optimizer.keys():
         optimizer = list(optimizer.values())
-    for state in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-        if not isinstance(state, dict):
-            continue
-        inner = state.get("state")
-        if isinstance(inner, dict) and "common_step" in inner:
-            return int(inner["common_step"])
-        groups = (state.get("optimizer") or state).get("param_groups") or []
+    return [state for state in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]) if isinstance(state, dict)]
+
+
+def _common_step(common: dict) -> Optional[int]:
+    """Adam's step count in ``common.pt``'s optimizer state, of the one optimizer or the first of a
+    chain that has one: the plain fp32 optimizer's ``common_step`` (``{"state": {"common_step": n},
+    ...}``), the mixed-precision one's, one level down (``{"optimizer": {"state": {"common_step": n}},
+    "grad_scaler": ..., ...}``), or the distributed optimizer's param groups' ``step``
+    (``{"optimizer": {"param_groups": [{"step": n}, ...]}}``)."""
+    for state in _optimizer_states(common):
+        inner = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else state
+        for level in (state, inner):
+            counts = level.get("state")
+            if isinstance(counts, dict) and "common_step" in counts:
+                return int(counts["common_step"])
+        groups = inner.get("param_groups") or []
         steps = {int(group["step"]) for group in groups if isinstance(group, dict) and group.get("step") is not None}
         if len(steps) == 1:
             return steps.pop()
+    return None
+
+
+class MegatronLossScale(NamedTuple):
+    """Megatron's ``DynamicGradScaler`` state (its ``state_dict``)."""
+
+    scale: float
+    growth_tracker: int
+    hysteresis_tracker: int
+
+
+def read_megatron_loss_scale(path: str) -> Optional[MegatronLossScale]:
+    """The dynamic loss scaler's state of the save ``path`` names (``iteration_dir``): the
+    mixed-precision optimizer's ``grad_scaler`` (``{"scale": tensor([s]), "growth_tracker": n,
+    "hysteresis_tracker": n}``), in ``common.pt`` or the legacy rank file, of the first optimizer of
+    a chain that has one (a chain shares one scaler). None when there is none: a bf16 or fp32 run,
+    or a constant scale (``--loss-scale``, whose state is empty)."""
+    record, _ = run_record(iteration_dir(path))
+    for state in _optimizer_states(record):
+        scaler = state.get("grad_scaler")
+        if isinstance(scaler, dict) and "scale" in scaler:
+            return MegatronLossScale(float(torch.as_tensor(scaler["scale"]).reshape(-1)[0]),
+                                     int(scaler["growth_tracker"]), int(scaler["hysteresis_tracker"]))
     return None
 
 

@@ -8,8 +8,9 @@ the learning rate Megatron's ``OptimizerParamScheduler`` would give its next one
 schedule and batch settings must be Megatron's (else ``ConfigError`` lists the flags). The Adam
 moments and step count continue too where the save holds them in a format lmfunc reads
 (``lmfunc.checkpoint.megatron_optimizer`` names which), with a mixed-precision run's fp32 master
-weights; otherwise they start fresh, as with Megatron's ``--no-load-optim``. The loss scale starts
-fresh.
+weights; otherwise they start fresh, as with Megatron's ``--no-load-optim``. An fp16 run's dynamic
+loss scaler continues from Megatron's (its scale and both trackers) when this run scales the loss
+dynamically too.
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ def megatron_position(cfg: TrainConfig) -> Optional[MegatronPosition]:
             "lr_warmup_init": cfg.optim.lr_warmup_init, "lr_warmup_iters": lengths.warmup,
             "lr_decay_iters": lengths.decay, "global_batch_size": cfg.run.global_batch_size,
             "calculate_per_token_loss": cfg.run.calculate_per_token_loss}
+    scaling = cfg.precision.loss_scaling()
+    if scaling is not None and scaling.dynamic:
+        ours |= {"loss_scale_window": scaling.growth_interval, "hysteresis": scaling.hysteresis,
+                 "min_loss_scale": scaling.min_scale}
     differing = schedule_mismatches(args, ours)
     if differing:
         raise ConfigError(
-            f"{source}: the Megatron run stopped at iteration {iteration} with another lr schedule or batch than this "
+            f"{source}: the Megatron run stopped at iteration {iteration} with another lr schedule, batch or loss scaler than this "
             "run's: " + "; ".join(f"{name} is {theirs} there, {mine} here" for name, (theirs, mine, _) in differing.items())
             + ". To continue it, pass " + " ".join(flag for _, _, flag in differing.values()))
     consumed = getattr(args, "consumed_train_samples", None)
@@ -114,6 +119,36 @@ def with_megatron_adam(state: TrainState, adam) -> TrainState:
     return dataclasses.replace(state, params=params, opt_state=opt_state)
 
 
+def with_megatron_loss_scale(state: TrainState, scaler) -> TrainState:
+    """``state`` with the scale and trackers of ``scaler`` (a read ``MegatronLossScale``); its
+    skipped-step count starts at 0 (Megatron does not save one)."""
+    current = state.loss_scale
+    loss_scale = dataclasses.replace(
+        current, scale=torch.full_like(current.scale, scaler.scale),
+        growth_tracker=torch.full_like(current.growth_tracker, scaler.growth_tracker),
+        hysteresis_tracker=torch.full_like(current.hysteresis_tracker, scaler.hysteresis_tracker))
+    return dataclasses.replace(state, loss_scale=loss_scale)
+
+
+def _continued_loss_scale(cfg: TrainConfig, state: TrainState) -> tuple[TrainState, Optional[str]]:
+    """``state`` with the Megatron save's loss scaler when both runs scale dynamically, and what was
+    done (None when neither run has a dynamic scaler)."""
+    from lmfunc.checkpoint.megatron_optimizer import read_megatron_loss_scale
+
+    scaler = read_megatron_loss_scale(cfg.checkpoint.load_megatron)
+    scaling = cfg.precision.loss_scaling()
+    dynamic = state.loss_scale is not None and scaling is not None and scaling.dynamic
+    if scaler is None:
+        return state, "a fresh loss scale" if dynamic else None
+    if not dynamic:
+        why = ("its precision.loss_scale is static" if scaling is not None
+               else f"its precision.compute_dtype is {cfg.precision.compute_dtype}")
+        return state, f"Megatron's loss scale {scaler.scale:g} not used: this run has no dynamic loss scaling ({why})"
+    state = with_megatron_loss_scale(state, scaler)
+    return state, (f"Megatron's loss scale {scaler.scale:g} (growth tracker {scaler.growth_tracker}, "
+                   f"hysteresis tracker {scaler.hysteresis_tracker})")
+
+
 def megatron_start(cfg: TrainConfig, state: TrainState, echo: Callable[[str], None]) -> TrainState:
     """``state`` continued at the position of ``checkpoint.load_megatron`` (said through
     ``echo``), or unchanged when the run starts from no Megatron training save."""
@@ -129,6 +164,7 @@ def megatron_start(cfg: TrainConfig, state: TrainState, echo: Callable[[str], No
         what = f"Megatron's Adam moments at step {adam.count}" + (", its fp32 master weights" if adam.master_weights else "")
     else:
         what = f"fresh Adam moments: the save holds {adam.format}"
+    state, scaling = _continued_loss_scale(cfg, state)
     echo(f"continuing the Megatron run of {cfg.checkpoint.load_megatron} at iteration {position.iteration} "
-         f"({position.consumed_samples} samples consumed; {what}; a fresh loss scale)")
+         f"({position.consumed_samples} samples consumed; {what}" + (f"; {scaling})" if scaling else ")"))
     return state
