@@ -35,7 +35,7 @@ class _NoCudaRngTracker:
 
 
 @contextlib.contextmanager
-def megatron_on_cpu(tp: int = 1, pp: int = 1) -> Iterator[None]:
+def megatron_on_cpu(tp: int = 1, pp: int = 1, ep: int = 1) -> Iterator[None]:
     """megatron-core's model-parallel state on a one-rank gloo group (created here unless one
     exists) with the CUDA-only calls patched (module docstring); everything undone on exit."""
     from megatron.core import parallel_state, tensor_parallel
@@ -53,7 +53,7 @@ def megatron_on_cpu(tp: int = 1, pp: int = 1) -> Iterator[None]:
                     lambda *args, **kwargs: _NoCudaRngTracker())
     patches.setattr(multi_latent_attention, "HAVE_TE", False)
     patches.setattr(moe_utils, "te_general_gemm", None, raising=False)
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     try:
         yield
     finally:

@@ -1,12 +1,15 @@
 """Worker for tests/test_megatron.py (torchrun, 2 ranks, gloo): megatron-core itself saves one
 tiny dense model split over tensor parallelism 2, then another split over pipeline parallelism 2,
-each in both formats: ``torch_dist`` (``dist_checkpointing.save``) and the legacy one (each rank's
-``state_dict()`` as ``mp_rank_TT[_PPP]/model_optim_rng.pt``, as Megatron's training loop writes it).
+then an MoE model (with MLA and an MTP layer) split over expert parallelism 2, each in both
+formats: ``torch_dist`` (``dist_checkpointing.save``) and the legacy one (each rank's
+``state_dict()`` as ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, as Megatron's training loop
+writes it).
 
-``python -m tests.megatron_worker OUT``: writes ``OUT/tp2_dist``, ``OUT/tp2_legacy``, ``OUT/pp2_dist``
-and ``OUT/pp2_legacy``. Then megatron-core loads lmfunc's export ``OUT/export/release`` (written by the
-test) into its model at TP 2 and rank 0 writes the logits of ``TOKENS`` gathered over the vocabulary
-split, ``OUT/tp2_export_logits.pt``. The model is ``tests.test_megatron.split_config()``; with
+``python -m tests.megatron_worker OUT``: writes ``OUT/tp2_dist``, ``OUT/tp2_legacy``, ``OUT/pp2_dist``,
+``OUT/pp2_legacy``, ``OUT/ep2_dist`` and ``OUT/ep2_legacy``. megatron-core loads lmfunc's export
+``OUT/export/release`` (written by the test) into its model at TP 2 and rank 0 writes the logits of
+``TOKENS`` gathered over the vocabulary split, ``OUT/tp2_export_logits.pt``; the expert-parallel model
+holds lmfunc's MoE export ``OUT/export_moe/release``, each rank loading its half of the experts. The model is ``tests.test_megatron.split_config()``; with
 ``use_cpu_initialization`` megatron-core draws each whole weight from the seeded CPU generator and
 keeps this rank's slice, so both layouts hold the same model.
 """
@@ -27,14 +30,14 @@ TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(
 """The batch whose logits megatron-core computes on lmfunc's export (vocabulary 128)."""
 
 
-def save_both_formats(gpt, out: str, tp_rank: int, pp_rank: int, pp: int) -> None:
+def save_both_formats(gpt, out: str, tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> None:
     """``gpt`` (this rank's part) as a torch_dist save ``out + '_dist'`` and a legacy one ``out + '_legacy'``."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(out + "_dist", exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(gpt.sharded_state_dict(), out + "_dist")
-    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
     folder = os.path.join(out + "_legacy", "iter_0000005", name)
     os.makedirs(folder, exist_ok=True)
     torch.save({"model": gpt.state_dict(), "iteration": 5, "checkpoint_version": 3.0},
@@ -70,6 +73,15 @@ def main(out: str) -> None:
         dist.all_gather(parts, logits)
         if rank == 0:
             torch.save(torch.cat(parts, dim=-1), os.path.join(out, "tp2_export_logits.pt"))
+    with megatron_on_cpu(ep=2):
+        from megatron.core import dist_checkpointing
+
+        from tests.test_megatron import _config
+
+        gpt = megatron_gpt(_config("deepseek"))
+        export = os.path.join(out, "export_moe", "release")
+        gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), export), strict=False)
+        save_both_formats(gpt, os.path.join(out, "ep2"), 0, 0, 1, rank, 2)
     print(f"rank {rank} ok")
 
 

@@ -260,10 +260,38 @@ def test_the_printed_megatron_arguments_describe_the_model_and_unmapped_settings
             assert ("moe_layer_freq" in mismatches(other, cfg)) == differs, freq
 
 
+def spelled_name(spelled: dict, local: dict, te_grouped: dict) -> str:
+    return "local" if spelled is local else "te_grouped" if spelled is te_grouped else "grouped"
+
+
+def expert_parallel_part(state: dict, rank: int, ranks: int, cfg) -> dict:
+    """What expert-parallel rank ``rank`` of ``ranks`` holds of a whole legacy ``state``, as Megatron
+    writes it: its ``E / ranks`` routed experts numbered from 0 (each spelling), the rest whole."""
+    local = cfg.num_experts // ranks
+    mine = range(rank * local, (rank + 1) * local)
+    part = {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"(.*\.experts\.)(?:local_experts\.(\d+)(\..+)|(linear_fc[12]\.weight)(\d+))", name)
+        if match and int(match.group(2) or match.group(5)) in mine:
+            index = int(match.group(2) or match.group(5)) - rank * local
+            part[f"{match.group(1)}local_experts.{index}{match.group(3)}" if match.group(2)
+                 else f"{match.group(1)}{match.group(4)}{index}"] = tensor
+        elif match:
+            continue
+        elif name.endswith(".experts.weight1"):  # [h, E 2f] viewing [E, h, 2f]
+            part[name] = tensor.view(cfg.num_experts, cfg.hidden_size, -1)[mine].reshape(cfg.hidden_size, -1)
+        elif name.endswith(".experts.weight2"):  # [E f, h]
+            part[name] = tensor.view(cfg.num_experts, -1, cfg.hidden_size)[mine].reshape(-1, cfg.hidden_size)
+        else:
+            part[name] = tensor
+    return part
+
+
 def test_a_legacy_moe_save_imports_from_each_expert_spelling(tmp_path):
     """A legacy save's module state dict holds the routed experts one by one: the sequential
     experts' ``local_experts.<e>.linear_fc1.weight``, TE's grouped ``linear_fc1.weight<e>`` or the
-    legacy grouped GEMM's ``weight1``/``weight2``; each imports to the same params."""
+    legacy grouped GEMM's ``weight1``/``weight2``; each imports to the same params, whole and split
+    over 2 expert-parallel ranks."""
     cfg = _config("deepseek")
     params = _params(cfg)
     local = to_megatron_layers(params, cfg, spelling="local")
@@ -277,9 +305,36 @@ def test_a_legacy_moe_save_imports_from_each_expert_spelling(tmp_path):
     for spelled in (local, te_grouped, grouped):
         back = from_megatron_layers(spelled, cfg, "test")
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(back), flatten_with_paths(params)))
+        # The same save split over 2 expert-parallel ranks (mp_rank_00_000, mp_rank_00_001), each rank
+        # numbering its 2 experts from 0, merges back to the same params.
+        for rank in range(2):
+            folder = tmp_path / spelled_name(spelled, local, te_grouped) / "iter_0000001" / f"mp_rank_00_{rank:03d}"
+            folder.mkdir(parents=True)
+            torch.save({"model": expert_parallel_part(spelled, rank, 2, cfg), "iteration": 1}, folder / LEGACY_FILE)
+        (folder.parent.parent / "latest_checkpointed_iteration.txt").write_text("1")
+        back = load_megatron(str(folder.parent.parent), cfg).params
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(back), flatten_with_paths(params)))
     del local["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
     with pytest.raises(ConfigError, match=r"holds experts \[0, 1, 2\] of .*expert-parallel save's other ranks"):
         from_megatron_layers(local, cfg, "test")
+
+
+def test_a_legacy_rank_name_with_two_numbers_is_a_pipeline_or_an_expert_parallel_rank_as_megatron_says():
+    """``mp_rank_00_001`` is pipeline rank 1 or expert-parallel rank 1: Megatron's args decide, and
+    without them the state dicts' keys do (expert-parallel ranks hold the same keys)."""
+    from lmfunc.checkpoint.megatron_legacy import _rank_layout
+
+    def files(args, keys):
+        return {(0, rank): (f"mp_rank_00_{rank:03d}", {"args": args, "model": dict.fromkeys(names)})
+                for rank, names in enumerate(keys)}
+
+    same, stages = [["a", "b"], ["a", "b"]], [["embedding", "a"], ["a", "output_layer"]]
+    expert = argparse.Namespace(expert_model_parallel_size=2, pipeline_model_parallel_size=1)
+    pipeline = argparse.Namespace(expert_model_parallel_size=1, pipeline_model_parallel_size=2)
+    assert set(_rank_layout("d", files(None, same))) == {(0, 0, 0), (0, 0, 1)}
+    assert set(_rank_layout("d", files(None, stages))) == {(0, 0, 0), (0, 1, 0)}
+    assert set(_rank_layout("d", files(expert, stages))) == {(0, 0, 0), (0, 0, 1)}
+    assert set(_rank_layout("d", files(pipeline, same))) == {(0, 0, 0), (0, 1, 0)}
 
 
 def test_bad_checkpoints_get_one_line_that_names_the_problem(tmp_path):
@@ -371,23 +426,27 @@ def test_training_starts_from_megatron_weights_and_exports_them_back(tmp_path, c
     assert (tmp_path / "back" / "release" / COMMON).exists()
 
 
-def test_megatrons_own_tp2_and_pp2_saves_import_to_one_model(tmp_path, torchrun):
-    """megatron-core on 2 ranks saves a model split over TP 2, and one split over PP 2, each as
-    torch_dist and legacy (``tests/megatron_worker.py``). The legacy import, which merges the
-    column- and row-parallel slices, the SwiGLU halves and the stages' layer numbers itself, gives
-    the params of megatron-core's own torch_dist save of the same ranks; the TP 2 model (drawn
-    whole, then sliced) has the logits of megatron-core's unsplit model of the same seed; and
-    lmfunc's export, loaded by megatron-core at TP 2, gives lmfunc's logits."""
-    cfg = split_config()
-    exported = _params(cfg, seed=7)
+def test_megatrons_own_tp2_pp2_and_ep2_saves_import_to_one_model(tmp_path, torchrun):
+    """megatron-core on 2 ranks saves a model split over TP 2, one split over PP 2, and an MoE model
+    (MLA, an MTP layer) split over EP 2, each as torch_dist and legacy (``tests/megatron_worker.py``).
+    The legacy import, which merges the column- and row-parallel slices, the SwiGLU halves, the
+    stages' layer numbers and the expert-parallel ranks' experts itself, gives the params of
+    megatron-core's own torch_dist save of the same ranks; the TP 2 model (drawn whole, then sliced)
+    has the logits of megatron-core's unsplit model of the same seed; lmfunc's export, loaded by
+    megatron-core at TP 2, gives lmfunc's logits; and the EP 2 model, which loaded lmfunc's MoE
+    export, saves the exported params exactly in both formats."""
+    cfg, moe = split_config(), _config("deepseek")
+    exported, exported_moe = _params(cfg, seed=7), _params(moe, seed=8)
     save_megatron(exported, cfg, str(tmp_path / "export"))
+    save_megatron(exported_moe, moe, str(tmp_path / "export_moe"))
     torchrun(2, ["-m", "tests.megatron_worker", str(tmp_path)])
-    for split in ("tp2", "pp2"):
-        merged, stored = (load_megatron(str(tmp_path / f"{split}_{kind}"), cfg) for kind in ("legacy", "dist"))
-        assert merged.format == "torch" and merged.iteration == 5 and stored.format == "torch_dist"
+    for split, model_cfg in (("tp2", cfg), ("pp2", cfg), ("ep2", moe)):
+        merged, stored = (load_megatron(str(tmp_path / f"{split}_{kind}"), model_cfg) for kind in ("legacy", "dist"))
+        assert merged.format == "torch" and stored.format == "torch_dist"
         reference = dict(flatten_with_paths(stored.params))
         for path, leaf in flatten_with_paths(merged.params):
             assert torch.equal(leaf, reference[path]), (split, path)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(reference), flatten_with_paths(exported_moe)))
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
     with megatron_on_cpu():
         torch.manual_seed(0)
