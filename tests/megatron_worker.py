@@ -1,17 +1,18 @@
 """Worker for tests/test_megatron.py (torchrun, 2 ranks, gloo): megatron-core itself saves one
 tiny dense model split over tensor parallelism 2, then another split over pipeline parallelism 2,
-then an MoE model (with MLA and an MTP layer) split over expert parallelism 2, each in both
-formats: ``torch_dist`` (``dist_checkpointing.save``) and the legacy one (each rank's
-``state_dict()`` as ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, as Megatron's training loop
-writes it).
+then an MoE model (with MLA and an MTP layer) split over expert parallelism 2 and over tensor
+parallelism 2, each in both formats: ``torch_dist`` (``dist_checkpointing.save``) and the legacy one
+(each rank's ``state_dict()`` as ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, as Megatron's
+training loop writes it).
 
-``python -m tests.megatron_worker OUT``: writes ``OUT/tp2_dist``, ``OUT/tp2_legacy``, ``OUT/pp2_dist``,
-``OUT/pp2_legacy``, ``OUT/ep2_dist`` and ``OUT/ep2_legacy``. megatron-core loads lmfunc's export
-``OUT/export/release`` (written by the test) into its model at TP 2 and rank 0 writes the logits of
-``TOKENS`` gathered over the vocabulary split, ``OUT/tp2_export_logits.pt``; the expert-parallel model
-holds lmfunc's MoE export ``OUT/export_moe/release``, each rank loading its half of the experts. The model is ``tests.test_megatron.split_config()``; with
-``use_cpu_initialization`` megatron-core draws each whole weight from the seeded CPU generator and
-keeps this rank's slice, so both layouts hold the same model.
+``python -m tests.megatron_worker OUT`` writes ``OUT/<split>_dist`` and ``OUT/<split>_legacy`` for
+the splits ``tp2``, ``pp2``, ``ep2`` and ``tp2_moe``. The dense model is
+``tests.test_megatron.split_config()``; with ``use_cpu_initialization`` megatron-core draws each whole
+weight from the seeded CPU generator and keeps this rank's slice, so both layouts hold the same
+model. megatron-core loads lmfunc's export ``OUT/export/release`` (written by the test) into its
+model at TP 2, and rank 0 writes the logits of ``TOKENS`` gathered over the vocabulary split,
+``OUT/tp2_export_logits.pt``. The MoE models hold lmfunc's MoE export ``OUT/export_moe/release``,
+each rank loading its part.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def main(out: str) -> None:
         export = os.path.join(out, "export_moe", "release")
         gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), export), strict=False)
         save_both_formats(gpt, os.path.join(out, "ep2"), 0, 0, 1, rank, 2)
+    with megatron_on_cpu(tp=2):
+        from megatron.core import dist_checkpointing
+
+        gpt = megatron_gpt(_config("deepseek"))
+        gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), export), strict=False)
+        save_both_formats(gpt, os.path.join(out, "tp2_moe"), rank, 0, 1)
     print(f"rank {rank} ok")
 
 

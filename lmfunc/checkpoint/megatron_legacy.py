@@ -1,5 +1,5 @@
 """Megatron-LM's legacy checkpoint format (``--ckpt-format torch``): one pickle per model-parallel
-rank, ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt``, merged here into whole tensors.
+rank, ``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, merged here into whole tensors.
 
 Each file holds ``model`` (that rank's ``state_dict``: its tensor-parallel slices of its pipeline
 stage's layers, numbered from 0 within the stage), ``args``, ``iteration`` and, unless saved without
@@ -8,20 +8,20 @@ are loaded with ``weights_only=True``, allowing Megatron's ``args`` (an ``argpar
 beyond plain data; a file that needs any other class is refused, naming it.
 
 Tensor parallelism splits (megatron-core's ``ColumnParallelLinear``/``RowParallelLinear``):
-- along the output rows: ``linear_qkv`` (whole query groups per rank), ``linear_fc1`` (with SwiGLU
-  each rank holds its slice of the gate, then its slice of the up projection), the word embeddings
-  and the output layer (vocabulary-parallel), and these layers' biases;
-- along the input columns: ``linear_proj`` and ``linear_fc2`` (their biases are whole on every rank);
-- nothing else (norms, position embeddings): every rank holds all of it.
+- along the output rows: ``linear_qkv`` (whole query groups per rank), MLA's query and key-value
+  projections (down and up), every MLP's ``linear_fc1`` (dense, shared and routed experts; with
+  SwiGLU each rank holds its slice of the gate, then its slice of the up projection), MTP's
+  ``eh_proj``, the word embeddings and the output layer (vocabulary-parallel), and these layers' biases;
+- along the input columns: ``linear_proj`` and every ``linear_fc2`` (their biases are whole on every rank);
+- nothing else (norms, the router, position embeddings): every rank holds all of it.
 Expert parallelism (``mp_rank_TT[_PPP]_EEE``): each expert-parallel rank holds ``E / EP`` of every
 MoE layer's routed experts, numbered from 0 on that rank; rank ``r``'s expert ``i`` is expert
 ``r E / EP + i``. The sequential experts (``local_experts.<i>.*``) and Transformer Engine's grouped
 ones (``linear_fc1.weight<i>``) are renumbered; the legacy grouped GEMM's ``weight1``
 (``[E_local, h, 2f]`` in memory) and ``weight2`` (``[E_local f, h]``) are joined along the experts.
 Everything else (attention, the router, the shared expert) is whole on every expert-parallel rank.
-Mixture-of-experts, MLA and MTP models are read from saves without tensor parallelism (their
-pipeline and expert-parallel ranks are merged as above); a save that splits them over TP ranks is
-refused, with the conversion to ``torch_dist`` that reads at any layout.
+A save that splits the legacy grouped GEMM's experts over TP ranks is refused, with the conversion
+to ``torch_dist`` that reads at any layout.
 """
 
 from __future__ import annotations
@@ -36,11 +36,15 @@ import torch
 from lmfunc.config.model import ConfigError, ModelConfig
 
 FILE = "model_optim_rng.pt"
-_ROWS = (".self_attention.linear_qkv.weight", ".self_attention.linear_qkv.bias", ".mlp.linear_fc1.weight",
-         ".mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight")
-"""Tensors split over tensor-parallel ranks along dim 0 (name suffixes)."""
-_COLUMNS = (".self_attention.linear_proj.weight", ".mlp.linear_fc2.weight")
-"""Tensors split along dim 1."""
+_ROWS = re.compile(r"(\.linear_qkv\.(weight|bias)|\.linear_fc1\.(weight|bias)\d*|\.linear_q(_down|_up)?_proj\.weight"
+                   r"|\.linear_kv_(down|up)_proj\.weight|\.eh_proj\.weight|^embedding\.word_embeddings\.weight"
+                   r"|^output_layer\.weight)$")
+"""Tensors split over tensor-parallel ranks along dim 0 (column-parallel layers): attention's
+``linear_qkv`` and MLA's projections, every MLP's ``linear_fc1`` (dense, shared and routed experts,
+TE's grouped ``linear_fc1.weight<e>`` too), MTP's ``eh_proj``, the vocabulary-parallel embedding
+and output layer."""
+_COLUMNS = re.compile(r"\.(linear_proj|linear_fc2)\.weight\d*$")
+"""Tensors split along dim 1 (row-parallel layers): attention's ``linear_proj`` and every MLP's ``linear_fc2``."""
 
 
 def load_rank_file(path: str) -> dict[str, Any]:
@@ -102,12 +106,14 @@ _CONVERT = ("convert it to torch_dist (Megatron: --ckpt-convert-format torch_dis
 
 
 def _merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The whole tensor ``name`` from its tensor-parallel ``shards`` (with SwiGLU each ``linear_fc1``
+    shard holds its slice of the gate, then its slice of the up projection)."""
     if len(shards) == 1:
         return shards[0]
-    if name.endswith(_COLUMNS):
+    if _COLUMNS.search(name):
         return torch.cat(shards, dim=1)
-    if name.endswith(_ROWS):
-        if swiglu and ".mlp.linear_fc1." in name:
+    if _ROWS.search(name):
+        if swiglu and ".linear_fc1." in name:
             halves = [shard.chunk(2, dim=0) for shard in shards]
             return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
         return torch.cat(shards, dim=0)
@@ -152,9 +158,10 @@ def read_legacy_model(directory: str, cfg: ModelConfig) -> tuple[dict[str, torch
         raise ConfigError(f"checkpoint.load_megatron: {directory} splits the routed experts over {ep_size} expert-parallel "
                           f"ranks, which does not divide the model's model.num_experts ({cfg.num_experts}); pass the "
                           "Megatron run's --model.num-experts")
-    if tp_size > 1 and (cfg.num_experts or cfg.multi_latent_attention or cfg.mtp_num_layers):
-        raise ConfigError(f"checkpoint.load_megatron: {directory} splits an MoE, MLA or MTP model over {tp_size} "
-                          f"tensor-parallel ranks in the legacy format, which lmfunc does not merge; {_CONVERT}")
+    if tp_size > 1 and any(name.endswith((".experts.weight1", ".experts.weight2"))
+                           for _, state in ranks.values() for name in state.get("model") or {}):
+        raise ConfigError(f"checkpoint.load_megatron: {directory} splits the legacy grouped GEMM's experts (weight1, "
+                          f"weight2) over {tp_size} tensor-parallel ranks, which lmfunc does not merge; {_CONVERT}")
     merged: dict[str, torch.Tensor] = {}
     first: dict[str, Any] = {}
     offset = 0
