@@ -27,6 +27,16 @@ megatron = pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]'); the Megatron oracle tests need it")
 
 
+class _NoCudaStream:
+    """The current CUDA stream's waits as no-ops: on the CPU every operation has finished."""
+
+    def wait_event(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+
 class _NoCudaRngTracker:
     """The CUDA RNG tracker's ``fork()`` as a no-op: dropout draws from the CPU generator."""
 
@@ -164,11 +174,11 @@ def megatron_token_losses(gpt, tokens: torch.Tensor, labels: torch.Tensor,
 
 @contextlib.contextmanager
 def megatron_optimizer_on_cpu() -> Iterator[None]:
-    """megatron-core's plain (not distributed) optimizer on the CPU: its modules make a few small
-    tensors with ``device="cuda"`` (the loss-scale placeholder, the grad-norm buffers, the dynamic
-    loss scaler's numbers), which are made
-    on the CPU instead while this holds. Clipping asserts CUDA gradients: build the optimizer with
-    ``clip_grad=0``."""
+    """megatron-core's plain (not distributed) optimizer on the CPU while this holds: its modules
+    make a few small tensors with ``device="cuda"`` (the loss-scale placeholder, the grad-norm
+    buffers, the dynamic loss scaler's numbers), which are made on the CPU instead, and its gradient
+    buffers (0.19) wait on the current CUDA stream, whose waits do nothing here. Clipping asserts
+    CUDA gradients: build the optimizer with ``clip_grad=0``."""
     import types
 
     from megatron.core import utils
@@ -183,6 +193,7 @@ def megatron_optimizer_on_cpu() -> Iterator[None]:
     patches = pytest.MonkeyPatch()
     for module in (utils, clip_grads, optimizer, grad_scaler):
         patches.setattr(module, "torch", shim)
+    patches.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: _NoCudaStream())
     try:
         yield
     finally:
@@ -236,3 +247,17 @@ def megatron_adam(gpt, lr: float, weight_decay: float, betas: tuple[float, float
 def fp32_master_weights(gpt) -> dict[str, torch.Tensor]:
     """The mixed-precision optimizer's fp32 master weights of ``gpt``'s params, by state-dict name."""
     return {name: param.main_param.detach().clone() for name, param in gpt.named_parameters()}
+
+
+def in_model_names(tensors: dict[str, torch.Tensor], gpt) -> dict[str, torch.Tensor]:
+    """``tensors`` (Megatron names) with each MTP layer's name as ``gpt``'s state dict spells it:
+    ``transformer_layer`` in megatron-core 0.16, ``mtp_model_layer`` in 0.19."""
+    names = set(gpt.state_dict())
+
+    def renamed(name: str) -> str:
+        for old, new in (("transformer_layer.", "mtp_model_layer."), ("mtp_model_layer.", "transformer_layer.")):
+            if name not in names and name.replace(old, new, 1) in names:
+                return name.replace(old, new, 1)
+        return name
+
+    return {renamed(name): tensor for name, tensor in tensors.items()}

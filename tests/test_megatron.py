@@ -22,7 +22,7 @@ from lmfunc.config.model import ConfigError, model_preset
 from lmfunc.loss import lm_loss
 from lmfunc.tree import flatten_with_paths, tree_leaves, tree_map, tree_unflatten_as
 from tests.helpers import MLA_SETTINGS, MOE_SETTINGS
-from tests.megatron_oracle import megatron_gpt, megatron_logits, megatron_on_cpu, megatron_token_losses
+from tests.megatron_oracle import in_model_names, megatron_gpt, megatron_logits, megatron_on_cpu, megatron_token_losses
 
 ARCHITECTURES = {
     "llama": dict(num_query_groups=2),
@@ -86,19 +86,20 @@ def test_megatrons_model_on_mapped_weights_gives_lmfuncs_losses_and_gradients(na
 
         MTPLossLoggingHelper.tracker.clear()
         gpt = megatron_gpt(cfg)
-        result = gpt.load_state_dict(to_megatron_layers(params, cfg, spelling="local"), strict=False)
+        result = gpt.load_state_dict(in_model_names(to_megatron_layers(params, cfg, spelling="local"), gpt), strict=False)
         assert not [k for k in result.missing_keys if not k.endswith("_extra_state")] and not result.unexpected_keys
         causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
         per_token = gpt(batch["tokens"], torch.arange(16).expand(2, 16), causal, labels=batch["labels"],
                         loss_mask=batch["loss_mask"])
         ((per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
         their_grads = {key: p.grad for key, p in gpt.named_parameters()}
-        mtp_losses = MTPLossLoggingHelper.tracker.get("values")
+        tracker = MTPLossLoggingHelper.tracker
+        mtp_losses = tracker.get("values", tracker.get("loss_values"))  # megatron-core 0.16, 0.19
     expected = torch.nn.functional.cross_entropy(ours.flatten(0, 1), batch["labels"].flatten(), reduction="none")
     assert (per_token.detach().flatten() - expected).abs().max() < 1e-5
     if cfg.mtp_num_layers:
         assert torch.allclose(mtp_losses, (out.mtp_loss_sums / out.mtp_num_tokens).detach(), rtol=1e-5)
-    mapped = to_megatron_layers(our_grads, cfg, spelling="local")
+    mapped = in_model_names(to_megatron_layers(our_grads, cfg, spelling="local"), gpt)
     buffers = {key for key in mapped if key.endswith("router.expert_bias")}  # updated without a gradient
     assert mapped.keys() - buffers == their_grads.keys()
     for key in their_grads:
@@ -319,6 +320,45 @@ def test_a_legacy_moe_save_imports_from_each_expert_spelling(tmp_path):
         from_megatron_layers(local, cfg, "test")
 
 
+class _NotPlainData:
+    """A class beyond plain data, which a pickle would have to construct (and so could run code)."""
+
+
+def test_a_save_of_megatron_core_0_19_keeps_its_common_state_in_the_checkpoint_files(tmp_path):
+    """megatron-core 0.19 writes no ``common.pt``: the common state (``args``, ``iteration``, the
+    optimizer's unsharded state) is one pickled object, ``common_state/shard_0_1``, in the
+    ``torch.distributed.checkpoint`` files, and ``metadata.json`` names no common backend (as
+    megatron-core 0.19.2 writes it; checked by hand, since that version needs Python 3.12 and
+    triton). The iteration, the loss scaler and the weights are read, the pickle with
+    ``weights_only``: the same save holding another class is refused."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from lmfunc.checkpoint.megatron import megatron_run_state
+    from lmfunc.checkpoint.megatron_optimizer import read_megatron_loss_scale
+
+    cfg = _config("llama")
+    params = _params(cfg)
+    scaler = {"scale": torch.tensor([4096.0]), "growth_tracker": 3, "hysteresis_tracker": 1}
+    common = {"iteration": 7, "checkpoint_version": 3.0, "optimizer": {"optimizer": {"param_groups": []}, "grad_scaler": scaler}}
+    for name, stored in (("plain", common), ("foreign", dict(common, extra=_NotPlainData()))):
+        directory = tmp_path / name / "iter_0000007"
+        # megatron-core's ShardedObject: a bytes item holding [data], not flattened
+        dcp.save({**to_megatron_layers(params, cfg), "common_state/shard_0_1": [stored]}, checkpoint_id=str(directory),
+                 planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+        (directory / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+        (directory.parent / "latest_checkpointed_iteration.txt").write_text("7")
+    iteration, args, _ = megatron_run_state(str(tmp_path / "plain"))
+    assert iteration == 7 and args is None
+    assert read_megatron_loss_scale(str(tmp_path / "plain")) == (4096.0, 3, 1)
+    loaded = load_megatron(str(tmp_path / "plain"), cfg)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(flatten_with_paths(loaded.params), flatten_with_paths(params)))
+    with pytest.raises(ConfigError, match=r"common_state/shard_0_1\) holds objects beyond plain data and Megatron's args"):
+        megatron_run_state(str(tmp_path / "foreign"))
+
+
 def test_a_legacy_rank_name_with_two_numbers_is_a_pipeline_or_an_expert_parallel_rank_as_megatron_says():
     """``mp_rank_00_001`` is pipeline rank 1 or expert-parallel rank 1: Megatron's args decide, and
     without them the state dicts' keys do (expert-parallel ranks hold the same keys)."""
@@ -348,7 +388,7 @@ def test_bad_checkpoints_get_one_line_that_names_the_problem(tmp_path):
     with pytest.raises(ConfigError, match=r"a shard file is missing or truncated"):
         load_megatron(str(tmp_path / "save"), cfg)
     os.remove(os.path.join(directory, COMMON))
-    with pytest.raises(ConfigError, match=r"common.pt is missing; megatron-core writes it with every torch_dist save"):
+    with pytest.raises(ConfigError, match=r"common.pt is missing, and the checkpoint files hold no common_state/shard_0_1 either"):
         load_megatron(directory, cfg)
     os.remove(os.path.join(directory, "metadata.json"))
     with pytest.raises(ConfigError, match=r"holds neither metadata.json \(torch_dist\) nor mp_rank_\*/"):
@@ -612,7 +652,7 @@ def test_a_megatron_save_with_adam_state_continues_with_megatrons_next_update(na
     errors, scales = {}, {}
     for label, state in (("continued", continued), ("fresh", fresh)):
         state, _ = step(state, batches[3])
-        ours = to_megatron_layers(state.params, cfg, spelling="local")
+        ours = in_model_names(to_megatron_layers(state.params, cfg, spelling="local"), gpt)
         errors[label] = max(float((ours[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in ours)
         scales[label] = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
     # In 16 bits the two models' forwards round differently (fused and split projections): measured

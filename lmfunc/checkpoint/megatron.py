@@ -17,20 +17,24 @@ reads any layout's save by key.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
 from argparse import Namespace
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmfunc.checkpoint.megatron_args import flag, megatron_arguments, mismatches, model_settings
-from lmfunc.checkpoint.megatron_layout import EXPERTS, from_megatron_layers, local_spec_aliases, to_megatron_layers
+from lmfunc.checkpoint.megatron_layout import (
+    EXPERTS, from_megatron_layers, local_spec_aliases, newer_megatron_aliases, to_megatron_layers,
+)
 from lmfunc.checkpoint.megatron_legacy import FILE as LEGACY_FILE
 from lmfunc.checkpoint.megatron_legacy import load_rank_file, read_legacy_model
 from lmfunc.config.model import ConfigError, ModelConfig
@@ -144,24 +148,71 @@ def read_torch_dist_model(directory: str, prefix: str = "") -> dict[str, torch.T
     return out
 
 
-def read_common(directory: str) -> dict:
-    """``common.pt`` of a ``torch_dist`` save, loaded without running pickled code: Megatron's
-    ``args`` Namespace is allowed, nothing else beyond plain data. megatron-core writes it with
-    every save, before ``metadata.json``, so a save without it is incomplete and is refused."""
-    import argparse
+COMMON_STATE = "common_state/shard_0_1"
+"""Where megatron-core 0.19 keeps the common state instead of ``common.pt``: one pickled object in
+the ``torch.distributed.checkpoint`` files (a one-element list holding the dict)."""
 
-    path = os.path.join(directory, COMMON)
-    if not os.path.exists(path):
-        raise ConfigError(f"checkpoint.load_megatron: {path} is missing; megatron-core writes it with every torch_dist "
-                          "save, so this save is incomplete or was copied without it. Copy the whole iter_NNNNNNN/ "
-                          "directory, or load an earlier save")
+
+class _RawBytesPlanner(DefaultLoadPlanner):
+    """A load planner that keeps a checkpoint's byte items as raw bytes: torch's default unpickles
+    them with ``weights_only=False``, which would run any code a pickle holds."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item, value) -> None:
+        self.state_dict[read_item.dest_index.fqn] = value.read()
+
+
+def _unpickled(data: Union[str, bytes], what: str) -> object:
+    """``torch.load`` of a file path or bytes without running pickled code: Megatron's ``args``
+    Namespace is allowed, nothing else beyond plain data."""
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals([Namespace]):
+            return torch.load(data if isinstance(data, str) else io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:
-        raise ConfigError(f"checkpoint.load_megatron: {path} holds objects beyond plain data and Megatron's args "
+        raise ConfigError(f"checkpoint.load_megatron: {what} holds objects beyond plain data and Megatron's args "
                           f"({_first_line(err)}); lmfunc does not unpickle arbitrary classes, since a pickle can run "
-                          "code. Give the model settings as flags instead and move common.pt aside") from None
+                          "code. Give the model settings as flags instead and take the weights alone") from None
+
+
+def common_source(directory: str) -> str:
+    """Where a ``torch_dist`` save's common state is (``read_common``), for messages."""
+    path = os.path.join(directory, COMMON)
+    return path if os.path.exists(path) else f"{directory} ({COMMON_STATE})"
+
+
+def read_common(directory: str) -> dict:
+    """The common (not sharded) state of a ``torch_dist`` save, where Megatron's training loop puts
+    its ``args``, ``iteration`` and the optimizer's unsharded state: ``common.pt`` (megatron-core
+    0.16), or the ``common_state`` object inside the checkpoint files (0.19), loaded without
+    running pickled code (``_unpickled``). megatron-core writes it with every save, before
+    ``metadata.json``, so a save without it is incomplete and is refused."""
+    path = os.path.join(directory, COMMON)
+    if os.path.exists(path):
+        return _unpickled(path, path)
+    try:
+        stored = FileSystemReader(directory).read_metadata().state_dict_metadata
+    except (OSError, EOFError, RuntimeError, ValueError):
+        stored = {}
+    if COMMON_STATE not in stored:
+        raise ConfigError(f"checkpoint.load_megatron: {path} is missing, and the checkpoint files hold no {COMMON_STATE} "
+                          "either; megatron-core writes one of them with every torch_dist save, so this save is "
+                          "incomplete or was copied without it. Copy the whole iter_NNNNNNN/ directory, or load an "
+                          "earlier save")
+    state = {COMMON_STATE: io.BytesIO()}
+    try:
+        dcp.load(state, storage_reader=FileSystemReader(directory), planner=_RawBytesPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as err:
+        raise ConfigError(f"checkpoint.load_megatron: reading {COMMON_STATE} of {directory} failed: {_first_line(err)}; "
+                          "a shard file is missing or truncated") from None
+    common = _unpickled(state[COMMON_STATE], f"{directory} ({COMMON_STATE})")
+    if isinstance(common, (list, tuple)) and len(common) == 1:
+        common = common[0]
+    if not isinstance(common, dict):
+        raise ConfigError(f"checkpoint.load_megatron: {COMMON_STATE} of {directory} holds a {type(common).__name__}, "
+                          "not megatron-core's dict of common state")
+    return common
 
 
 def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteration: Optional[int] = None,
@@ -291,7 +342,7 @@ def load_megatron(path: str, cfg: ModelConfig) -> MegatronCheckpoint:
     if kind == "torch_dist":
         other = read_common(directory)
         tensors = read_torch_dist_model(directory)
-        source = f"{directory}/{COMMON}"
+        source = common_source(directory)
     else:
         tensors, other = read_legacy_model(directory, cfg)
         source = f"{directory}/mp_rank_00*/model_optim_rng.pt"
@@ -315,7 +366,7 @@ def run_record(directory: str) -> tuple[dict, str]:
     its ``model`` (Megatron's training loop writes ``args``, ``iteration`` and the optimizer's
     unsharded state, its loss scaler included, there)."""
     if checkpoint_format(directory) == "torch_dist":
-        return read_common(directory), os.path.join(directory, COMMON)
+        return read_common(directory), common_source(directory)
     source = os.path.join(directory, sorted(e for e in os.listdir(directory) if e.startswith("mp_rank_"))[0], LEGACY_FILE)
     return {key: value for key, value in load_rank_file(source).items() if key != "model"}, source
 
@@ -345,6 +396,7 @@ def save_megatron(params: PyTree, cfg: ModelConfig, path: str, iteration: Option
     Returns the save's directory."""
     tensors = {name: tensor.to(dtype or tensor.dtype) for name, tensor in to_megatron_layers(params, cfg).items()}
     tensors |= local_spec_aliases(tensors, cfg)
+    tensors |= newer_megatron_aliases(tensors)
     common = {"checkpoint_version": 3.0} | ({"iteration": iteration} if iteration is not None else {})
     # megatron-core stacks the layers unless --moe-layer-freq is a pattern (megatron_arguments
     # writes one for any model that mixes dense and MoE layers).

@@ -1,6 +1,7 @@
 """Megatron-LM's names and fused layouts: lmfunc params <-> the state dict of megatron-core's
 ``GPTModel``: decoder layers (``decoder.layers.<i>.*``), multi-token-prediction layers
-(``mtp.layers.<k>.*``, each with a ``transformer_layer``), the embedding and the output layer.
+(``mtp.layers.<k>.*``, each with a ``transformer_layer``, which megatron-core 0.19 calls
+``mtp_model_layer``: both are read, and an export writes both), the embedding and the output layer.
 
 Layouts. Megatron's linear weights are ``nn.Linear``'s ``[out, in]``; lmfunc's are ``[in, out]``
 (``x @ w``), so every matrix is transposed. Some of Megatron's tensors fuse several of lmfunc's:
@@ -300,14 +301,27 @@ _PER_EXPERT = (
 """One expert's weight: the sequential experts' and TE's grouped experts' state-dict names."""
 
 
+_MTP_LAYER = re.compile(r"(mtp\.layers\.\d+\.)(transformer_layer|mtp_model_layer)\.")
+"""An MTP depth's transformer layer: ``transformer_layer`` in megatron-core 0.16, ``mtp_model_layer`` in 0.19."""
+
+
+def newer_megatron_aliases(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The MTP layers' tensors of ``tensors`` under megatron-core 0.19's names (``mtp_model_layer``),
+    so that a save holding both loads into either version's model."""
+    return {_MTP_LAYER.sub(r"\1mtp_model_layer.", name, count=1): tensor
+            for name, tensor in tensors.items() if _MTP_LAYER.match(name)}
+
+
 def _canonical(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
-    """``tensors`` in this module's names: norms in the local spelling, routed experts stacked
-    (``EXPERTS``) from any of the per-expert forms; ``_extra_state`` entries dropped."""
+    """``tensors`` in this module's names: norms in the local spelling, MTP layers under
+    ``transformer_layer``, routed experts stacked (``EXPERTS``) from any of the per-expert forms;
+    ``_extra_state`` entries dropped."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         if name.endswith("._extra_state") or "._extra_state/" in name:
             continue
+        name = _MTP_LAYER.sub(r"\1transformer_layer.", name, count=1)
         match = next((m for m in (p.fullmatch(name) for p in _PER_EXPERT) if m), None)
         if match:
             experts.setdefault(f"{match['prefix']}experts.{match['fc']}.weight", {})[int(match["e"])] = tensor
