@@ -174,7 +174,7 @@ def megatron_token_losses(gpt, tokens: torch.Tensor, labels: torch.Tensor,
 
 @contextlib.contextmanager
 def megatron_optimizer_on_cpu() -> Iterator[None]:
-    """megatron-core's plain (not distributed) optimizer on the CPU while this holds: its modules
+    """megatron-core's optimizers (plain and distributed) on the CPU while this holds: its modules
     make a few small tensors with ``device="cuda"`` (the loss-scale placeholder, the grad-norm
     buffers, the dynamic loss scaler's numbers), which are made on the CPU instead, and its gradient
     buffers (0.19) wait on the current CUDA stream, whose waits do nothing here. Clipping asserts
@@ -182,7 +182,7 @@ def megatron_optimizer_on_cpu() -> Iterator[None]:
     import types
 
     from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, grad_scaler, optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
 
     def on_cpu(make):
         return lambda *args, device=None, **kwargs: make(*args, device="cpu" if device == "cuda" else device, **kwargs)
@@ -191,7 +191,7 @@ def megatron_optimizer_on_cpu() -> Iterator[None]:
     for name in ("tensor", "zeros", "ones", "empty", "full"):
         setattr(shim, name, on_cpu(getattr(torch, name)))
     patches = pytest.MonkeyPatch()
-    for module in (utils, clip_grads, optimizer, grad_scaler):
+    for module in (utils, clip_grads, optimizer, grad_scaler, distrib_optimizer):
         patches.setattr(module, "torch", shim)
     patches.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: _NoCudaStream())
     try:
@@ -201,7 +201,7 @@ def megatron_optimizer_on_cpu() -> Iterator[None]:
 
 
 def megatron_adam(gpt, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-                  dtype: torch.dtype = torch.float32, **loss_scaling):
+                  dtype: torch.dtype = torch.float32, distributed: bool = False, **loss_scaling):
     """``(ddp, optimizer)``: megatron-core's DDP wrapper of ``gpt`` and its Adam (no clipping, the
     plain optimizer), inside ``megatron_on_cpu`` and ``megatron_optimizer_on_cpu``. A step:
     ``ddp.zero_grad_buffer()``, the backward of the loss times ``optimizer.get_loss_scale()``,
@@ -214,8 +214,9 @@ def megatron_adam(gpt, lr: float, weight_decay: float, betas: tuple[float, float
     ``dtype``, fp32 logits), the gradients summed in fp32, and the mixed-precision optimizer with fp32
     master weights (``Float16OptimizerWithFloat16Params``), for fp16 with the dynamic loss scaler
     ``loss_scaling`` configures (``OptimizerConfig``'s ``initial_loss_scale``, ``loss_scale_window``,
-    ``hysteresis``, ``min_loss_scale``). That optimizer accepts only CUDA tensors by their type name,
-    so CPU tensors report CUDA's while it is built."""
+    ``hysteresis``, ``min_loss_scale``). ``distributed``: the distributed optimizer instead
+    (``--use-distributed-optimizer``, here over one data-parallel rank). Those optimizers accept
+    only CUDA tensors by their type name, so CPU tensors report CUDA's while they are built."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
@@ -225,12 +226,15 @@ def megatron_adam(gpt, lr: float, weight_decay: float, betas: tuple[float, float
     if mixed:
         gpt.config.fp16, gpt.config.bf16 = dtype == torch.float16, dtype == torch.bfloat16
         model = Float16Module(gpt.config, gpt)
-    ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=mixed), model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=mixed or distributed,
+                                               use_distributed_optimizer=distributed)
+    ddp = DistributedDataParallel(gpt.config, ddp_config, model)
     config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0],
                              adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, fp16=dtype == torch.float16,
-                             bf16=dtype == torch.bfloat16, params_dtype=dtype, **loss_scaling)
+                             bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=distributed,
+                             **loss_scaling)
     with pytest.MonkeyPatch.context() as patches:
-        if mixed:
+        if mixed or distributed:
             cpu_type = torch.Tensor.type
 
             def cuda_type(tensor, *args, **kwargs):
@@ -244,9 +248,23 @@ def megatron_adam(gpt, lr: float, weight_decay: float, betas: tuple[float, float
     return ddp, adam
 
 
-def fp32_master_weights(gpt) -> dict[str, torch.Tensor]:
-    """The mixed-precision optimizer's fp32 master weights of ``gpt``'s params, by state-dict name."""
-    return {name: param.main_param.detach().clone() for name, param in gpt.named_parameters()}
+def fp32_master_weights(gpt, optimizer) -> dict[str, torch.Tensor]:
+    """The fp32 master weights ``optimizer`` (``megatron_adam``'s) keeps of ``gpt``'s params, by
+    state-dict name: the mixed-precision optimizer's ``main_param`` of each, or the distributed
+    optimizer's shards (whole on its one data-parallel rank) of the 16-bit params, or the fp32 params
+    themselves."""
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    shards = {}
+    for model_group, shard_group in zip(getattr(inner, "model_float16_groups", []),
+                                        getattr(inner, "shard_fp32_from_float16_groups", [])):
+        shards |= {id(param): shard for param, shard in zip(model_group, shard_group)}
+    out = {}
+    for name, param in gpt.named_parameters():
+        master = getattr(param, "main_param", None)  # the distributed optimizer's is its flat shard
+        if master is None:
+            master = shards.get(id(param), param)
+        out[name] = master.detach().float().reshape(param.shape).clone()
+    return out
 
 
 def in_model_names(tensors: dict[str, torch.Tensor], gpt) -> dict[str, torch.Tensor]:

@@ -573,16 +573,19 @@ def test_a_megatron_training_save_continues_at_its_iteration_with_megatrons_lr(t
     assert [(r["step"], r["loss_scale"]) for r in train] == [(31, 65536.0), (32, 65536.0)]
 
 
-@pytest.mark.parametrize("name,dtype", [("llama", "fp32"), ("deepseek", "fp32"), ("llama", "fp16"), ("llama", "bf16")])
-def test_a_megatron_save_with_adam_state_continues_with_megatrons_next_update(name, dtype, tmp_path):
+@pytest.mark.parametrize("name,dtype,optimizer_kind", [
+    ("llama", "fp32", "plain"), ("deepseek", "fp32", "plain"), ("llama", "fp16", "plain"), ("llama", "bf16", "plain"),
+    ("llama", "fp32", "distributed"), ("llama", "bf16", "distributed")])
+def test_a_megatron_save_with_adam_state_continues_with_megatrons_next_update(name, dtype, optimizer_kind, tmp_path):
     """megatron-core trains three steps with its Adam and saves model and optimizer (torch_dist, the
-    optimizer's model-space moments): in fp32, or in fp16 (its dynamic loss scaler growing the scale
-    every 2 clean steps) or bf16 with fp32 master weights. lmfunc reads the moments, the step count
-    (one level down in the mixed-precision optimizer's common state), the master weights and the
-    scaler's state, and takes step 4 on the same batch: its params (the master weights) equal
-    Megatron's after its own step 4, and its loss scale is the one Megatron's scaler reaches. With
-    fresh moments and a fresh scaler the same step lands elsewhere, so the state read is what makes
-    them equal."""
+    optimizer's per-parameter moments; the distributed optimizer's ``fully_reshardable`` format): in
+    fp32, or in fp16 (its dynamic loss scaler growing the scale every 2 clean steps) or bf16 with
+    fp32 master weights. lmfunc reads the moments, the step count (one level down in the
+    mixed-precision optimizer's common state, in the distributed one's param groups), the master
+    weights and the scaler's state, and takes step 4 on the same batch: its params (the master
+    weights) equal Megatron's after its own step 4, and its loss scale is the one Megatron's scaler
+    reaches. With fresh moments and a fresh scaler the same step lands elsewhere, so the state read
+    is what makes them equal."""
     from megatron.core import dist_checkpointing
 
     from lmfunc.checkpoint.megatron_optimizer import load_megatron_adam, read_megatron_loss_scale
@@ -604,7 +607,8 @@ def test_a_megatron_save_with_adam_state_continues_with_megatrons_next_update(na
                 "loss_mask": (torch.rand(1, 2, 16, generator=g) > 0.2).float()} for _ in range(4)]
     with megatron_on_cpu(), megatron_optimizer_on_cpu():
         gpt = megatron_gpt(cfg)
-        ddp, optimizer = megatron_adam(gpt, **hyper, dtype=compute, **(scaling if dtype == "fp16" else {}))
+        ddp, optimizer = megatron_adam(gpt, **hyper, dtype=compute, distributed=optimizer_kind == "distributed",
+                                       **(scaling if dtype == "fp16" else {}))
 
         def megatron_step(batch):
             ddp.zero_grad_buffer()
@@ -620,20 +624,26 @@ def test_a_megatron_save_with_adam_state_continues_with_megatrons_next_update(na
         save = tmp_path / "megatron" / "iter_0000003"
         save.mkdir(parents=True)
         model = gpt.sharded_state_dict()
-        dist_checkpointing.save({"model": model, "optimizer": optimizer.sharded_state_dict(model), "iteration": 3,
-                                 "checkpoint_version": 3.0}, str(save))
+        # Megatron-LM's --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
+        dist_checkpointing.save({"model": model, "optimizer": optimizer.sharded_state_dict(model, metadata=metadata),
+                                 "iteration": 3, "checkpoint_version": 3.0}, str(save))
         (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("3")
+        if optimizer_kind == "distributed":  # Megatron-LM's default format, whose flattened buffers are not read
+            default = tmp_path / "default" / "iter_0000003"
+            default.mkdir(parents=True)
+            model = gpt.sharded_state_dict()
+            dist_checkpointing.save({"model": model, "optimizer": optimizer.sharded_state_dict(
+                model, metadata={"distrib_optim_sharding_type": "dp_reshardable"}), "iteration": 3}, str(default))
+            unread = load_megatron_adam(str(default), cfg)
+            assert not unread.read and "save with --dist-ckpt-optim-fully-reshardable" in unread.format
         megatron_step(batches[3])
-        if dtype == "fp32":
-            expected = {key: value.detach().clone() for key, value in gpt.state_dict().items()
-                        if isinstance(value, torch.Tensor)}
-        else:
-            expected = fp32_master_weights(gpt)
+        expected = fp32_master_weights(gpt, optimizer)
         expected_scale = float(optimizer.get_loss_scale())
     path = str(tmp_path / "megatron")
     adam = load_megatron_adam(path, cfg)
     assert adam.read and adam.count == 3 and adam.format == "model-space moments"
-    assert (adam.master_weights is None) == (dtype == "fp32")
+    assert (adam.master_weights is None) == (dtype == "fp32" and optimizer_kind == "plain")
     saved_scale = read_megatron_loss_scale(path)
     loss_scale = None
     if dtype == "fp16":  # grown at step 2, one clean step since
@@ -653,7 +663,7 @@ def test_a_megatron_save_with_adam_state_continues_with_megatrons_next_update(na
     for label, state in (("continued", continued), ("fresh", fresh)):
         state, _ = step(state, batches[3])
         ours = in_model_names(to_megatron_layers(state.params, cfg, spelling="local"), gpt)
-        errors[label] = max(float((ours[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in ours)
+        errors[label] = max(float((ours[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected)
         scales[label] = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
     # In 16 bits the two models' forwards round differently (fused and split projections): measured
     # 1.2e-4 (fp16) and 8.4e-4 (bf16), within half the format's epsilon, which is the bound.

@@ -2,21 +2,21 @@
 trees, so a continued run takes the update Megatron's next step would.
 
 Which of Megatron's optimizer formats are read:
-- ``torch_dist`` saves of the plain optimizer and of the distributed optimizer in its
-  model-space format (``fully_sharded_model_space``, Megatron's choice with
-  ``--ckpt-fully-parallel-save``): each moment is stored whole under its parameter's key,
-  ``optimizer.state.exp_avg.<key>`` and ``optimizer.state.exp_avg_sq.<key>`` (with mixed precision
-  also the fp32 master weights, ``optimizer.state.fp32_param.<key>``), and the step count in
-  ``common.pt`` (the plain optimizer's ``common_step``, the distributed one's param groups' ``step``).
-  These are read, through the same layouts as the weights (``megatron_layout``: a moment is laid
-  out as its parameter). The plain optimizer's saves (fp32, and fp16 or bf16 with fp32 master
-  weights) are tested against megatron-core on the CPU; the
-  distributed optimizer needs CUDA tensors, so its keys here follow megatron-core's source
-  (``DistributedOptimizer.sharded_param_state_fs_model_space`` and ``state_dict``).
-- The distributed optimizer's flattened formats (``dp_zero_gather_scatter``, ``fully_sharded_bucket_space``:
-  ``optimizer.distributed.*``, buffers in the data-parallel ranks' order) and the legacy format's
-  pickled optimizer (integer parameter ids, per-rank shards): not read. A run from such a save
-  starts with fresh moments, as Megatron's ``--no-load-optim``, and says which format it found.
+- ``torch_dist`` saves of the plain optimizer, and of the distributed optimizer in its per-parameter
+  formats: ``fully_reshardable`` (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``) and the
+  older ``fully_sharded_model_space``. Each moment is stored whole under its parameter's key,
+  ``optimizer.state.exp_avg.<key>`` and ``optimizer.state.exp_avg_sq.<key>``, with the fp32 master
+  weights (mixed precision, or any distributed optimizer) as ``optimizer.state.fp32_param.<key>``
+  (plain) or ``optimizer.state.param.<key>`` (distributed), and the step count in the common state
+  (the plain optimizer's ``common_step``, the distributed one's param groups' ``step``). These are
+  read, through the same layouts as the weights (``megatron_layout``: a moment is laid out as its
+  parameter). megatron-core's own saves are tested on the CPU: the plain optimizer in fp32, fp16
+  and bf16, the distributed one (``fully_reshardable``) in fp32 and bf16.
+- The distributed optimizer's flattened formats (``dp_reshardable``, Megatron-LM's default, and the
+  older ``dp_zero_gather_scatter`` and ``fully_sharded_bucket_space``: ``optimizer.distributed.*``,
+  buffers in the data-parallel ranks' order) and the legacy format's pickled optimizer (integer
+  parameter ids, per-rank shards): not read. A run from such a save starts with fresh moments, as
+  Megatron's ``--no-load-optim``, and says which format it found and how to save a readable one.
 The fp16 loss scaler's state (``grad_scaler`` in the optimizer's unsharded state: ``common.pt``, or
 the legacy rank file, whose optimizer state is otherwise not read) is read too, in either format.
 """
@@ -37,7 +37,8 @@ from lmfunc.tree import PyTree
 
 MOMENTS = {"mu": "optimizer.state.exp_avg.", "nu": "optimizer.state.exp_avg_sq."}
 """lmfunc's Adam moment -> the key prefix of Megatron's in a ``torch_dist`` save."""
-MASTER_WEIGHTS = "optimizer.state.fp32_param."
+MASTER_WEIGHTS = ("optimizer.state.fp32_param.", "optimizer.state.param.")
+"""The key prefixes of the fp32 master weights: the mixed-precision optimizer's, the distributed one's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,9 @@ def load_megatron_adam(path: str, cfg: ModelConfig) -> MegatronAdam:
     keys = torch_dist_keys(directory)
     if not any(key.startswith(MOMENTS["mu"]) for key in keys):
         if any(key.startswith("optimizer.distributed.") for key in keys):
-            return _unread("the distributed optimizer's flattened buffers, optimizer.distributed.* (not read)")
+            return _unread("the distributed optimizer's flattened buffers, optimizer.distributed.* (dp_reshardable, "
+                           "Megatron-LM's default; not read: save with --dist-ckpt-optim-fully-reshardable to have "
+                           "the moments read)")
         return _unread("no optimizer state")
     step = _common_step(read_common(directory))
     if step is None:
@@ -142,7 +145,8 @@ def load_megatron_adam(path: str, cfg: ModelConfig) -> MegatronAdam:
     mu, nu = (from_megatron_layers(_with_buffers(read_torch_dist_model(directory, prefix), weights, zero=True), cfg, source)
               for prefix in MOMENTS.values())
     master = None
-    if any(key.startswith(MASTER_WEIGHTS) for key in keys):
-        master = from_megatron_layers(_with_buffers(read_torch_dist_model(directory, MASTER_WEIGHTS), weights, zero=False),
+    prefix = next((prefix for prefix in MASTER_WEIGHTS if any(key.startswith(prefix) for key in keys)), None)
+    if prefix is not None:
+        master = from_megatron_layers(_with_buffers(read_torch_dist_model(directory, prefix), weights, zero=False),
                                       cfg, source)
     return MegatronAdam(mu, nu, step, master, "model-space moments")
