@@ -148,6 +148,38 @@ def test_a_restarted_process_loads_the_compiled_step_from_inductors_cache(tmp_pa
     assert warm["loss"] == cold["loss"]
 
 
+MESH_STEP = """
+import json, torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from lmfunc.compiler.compiling import compile_settings
+
+def scaled(x, mesh):
+    return (DTensor.from_local(x, mesh, [Replicate()]) * 2.0).to_local() + 1.0
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = DeviceMesh("cpu", [0], mesh_dim_names=("dp",))
+hash(mesh)  # DTensor's caches hash the mesh before a stage compiles
+with compile_settings():
+    out = torch.compile(scaled, fullgraph=True, dynamic=False)(torch.arange(4.0), mesh)
+print(json.dumps({"out": out.tolist(), **counters["inductor"]}))
+"""
+
+
+def test_a_graph_that_takes_a_device_mesh_is_served_from_the_cache_in_another_process(tmp_path):
+    """A compiled function that takes a DTensor's ``DeviceMesh`` among its inputs, as a pipeline
+    stage beside data parallelism does, compiles once: a second process, whose string hashes (and
+    so the mesh's cached ``_hash``) differ, finds it in the FX graph cache
+    (``lmfunc.compiler.mesh_cache_keys``). Without that, the key held the hash, and every restart
+    of a pipeline run compiled its stages again."""
+    first, second = (_run_script(MESH_STEP, tmp_path, {"PYTHONHASHSEED": seed}) for seed in ("1", "2"))
+    assert first["out"] == second["out"] == [1.0, 3.0, 5.0, 7.0]
+    assert first.get("fxgraph_cache_miss") == 1 and second.get("fxgraph_cache_hit") == 1
+    assert "fxgraph_cache_miss" not in second
+
+
 FUNCTION_STEP = """
 import json, os, torch
 from torch._dynamo.utils import counters
