@@ -17,21 +17,20 @@ reads any layout's save by key.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import re
 from argparse import Namespace
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lmfunc.checkpoint.megatron_args import flag, megatron_arguments, mismatches, model_settings
+from lmfunc.checkpoint.megatron_common import COMMON, common_source, first_line, read_common
 from lmfunc.checkpoint.megatron_layout import (
     EXPERTS, from_megatron_layers, local_spec_aliases, newer_megatron_aliases, to_megatron_layers,
 )
@@ -43,7 +42,6 @@ from lmfunc.tree import PyTree
 TRACKER = "latest_checkpointed_iteration.txt"
 """The file in a Megatron save directory that names its newest save."""
 METADATA = "metadata.json"
-COMMON = "common.pt"
 TORCH_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                        "common_backend_version": 1}
 """``metadata.json`` as megatron-core writes it for a ``torch_dist`` save."""
@@ -135,7 +133,7 @@ def read_torch_dist_model(directory: str, prefix: str = "") -> dict[str, torch.T
         dcp.load({prefix + key: tensor for key, tensor in wanted.items()}, storage_reader=FileSystemReader(directory),
                  no_dist=True)
     except (Exception, CheckpointException) as err:  # DCP reports a short or missing shard file as a BaseException
-        raise ConfigError(f"checkpoint.load_megatron: reading {directory} failed: {_first_line(err)}; a shard file "
+        raise ConfigError(f"checkpoint.load_megatron: reading {directory} failed: {first_line(err)}; a shard file "
                           "is missing or truncated") from None
     out: dict[str, torch.Tensor] = {}
     for key, tensor in wanted.items():
@@ -146,73 +144,6 @@ def read_torch_dist_model(directory: str, prefix: str = "") -> dict[str, torch.T
         else:
             out[key] = tensor
     return out
-
-
-COMMON_STATE = "common_state/shard_0_1"
-"""Where megatron-core 0.19 keeps the common state instead of ``common.pt``: one pickled object in
-the ``torch.distributed.checkpoint`` files (a one-element list holding the dict)."""
-
-
-class _RawBytesPlanner(DefaultLoadPlanner):
-    """A load planner that keeps a checkpoint's byte items as raw bytes: torch's default unpickles
-    them with ``weights_only=False``, which would run any code a pickle holds."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def load_bytes(self, read_item, value) -> None:
-        self.state_dict[read_item.dest_index.fqn] = value.read()
-
-
-def _unpickled(data: Union[str, bytes], what: str) -> object:
-    """``torch.load`` of a file path or bytes without running pickled code: Megatron's ``args``
-    Namespace is allowed, nothing else beyond plain data."""
-    try:
-        with torch.serialization.safe_globals([Namespace]):
-            return torch.load(data if isinstance(data, str) else io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ConfigError(f"checkpoint.load_megatron: {what} holds objects beyond plain data and Megatron's args "
-                          f"({_first_line(err)}); lmfunc does not unpickle arbitrary classes, since a pickle can run "
-                          "code. Give the model settings as flags instead and take the weights alone") from None
-
-
-def common_source(directory: str) -> str:
-    """Where a ``torch_dist`` save's common state is (``read_common``), for messages."""
-    path = os.path.join(directory, COMMON)
-    return path if os.path.exists(path) else f"{directory} ({COMMON_STATE})"
-
-
-def read_common(directory: str) -> dict:
-    """The common (not sharded) state of a ``torch_dist`` save, where Megatron's training loop puts
-    its ``args``, ``iteration`` and the optimizer's unsharded state: ``common.pt`` (megatron-core
-    0.16), or the ``common_state`` object inside the checkpoint files (0.19), loaded without
-    running pickled code (``_unpickled``). megatron-core writes it with every save, before
-    ``metadata.json``, so a save without it is incomplete and is refused."""
-    path = os.path.join(directory, COMMON)
-    if os.path.exists(path):
-        return _unpickled(path, path)
-    try:
-        stored = FileSystemReader(directory).read_metadata().state_dict_metadata
-    except (OSError, EOFError, RuntimeError, ValueError):
-        stored = {}
-    if COMMON_STATE not in stored:
-        raise ConfigError(f"checkpoint.load_megatron: {path} is missing, and the checkpoint files hold no {COMMON_STATE} "
-                          "either; megatron-core writes one of them with every torch_dist save, so this save is "
-                          "incomplete or was copied without it. Copy the whole iter_NNNNNNN/ directory, or load an "
-                          "earlier save")
-    state = {COMMON_STATE: io.BytesIO()}
-    try:
-        dcp.load(state, storage_reader=FileSystemReader(directory), planner=_RawBytesPlanner(), no_dist=True)
-    except (Exception, CheckpointException) as err:
-        raise ConfigError(f"checkpoint.load_megatron: reading {COMMON_STATE} of {directory} failed: {_first_line(err)}; "
-                          "a shard file is missing or truncated") from None
-    common = _unpickled(state[COMMON_STATE], f"{directory} ({COMMON_STATE})")
-    if isinstance(common, (list, tuple)) and len(common) == 1:
-        common = common[0]
-    if not isinstance(common, dict):
-        raise ConfigError(f"checkpoint.load_megatron: {COMMON_STATE} of {directory} holds a {type(common).__name__}, "
-                          "not megatron-core's dict of common state")
-    return common
 
 
 def write_torch_dist_model(tensors: dict[str, torch.Tensor], path: str, iteration: Optional[int] = None,
@@ -303,16 +234,6 @@ def _sharded_object(value: object) -> list:
     one), which DCP's planner saves as one ``torch.save`` blob, as megatron-core's does (DCP keeps
     a list of non-tensors whole)."""
     return [value]
-
-
-def _first_line(err: BaseException) -> str:
-    """The first line of ``err``'s message; for DCP's ``CheckpointException``, of the first rank's
-    underlying error."""
-    if isinstance(err, CheckpointException) and getattr(err, "failures", None):
-        failure = next(iter(err.failures.values()))  # (exception, its traceback's frames)
-        err = failure[0] if isinstance(failure, tuple) else failure
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 

@@ -28,9 +28,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from lmfunc.checkpoint.megatron import (
-    COMMON, checkpoint_format, iteration_dir, read_common, read_torch_dist_model, run_record, torch_dist_keys,
-)
+from lmfunc.checkpoint.megatron import checkpoint_format, iteration_dir, read_torch_dist_model, run_record, torch_dist_keys
+from lmfunc.checkpoint.megatron_common import COMMON, read_common
 from lmfunc.checkpoint.megatron_layout import from_megatron_layers
 from lmfunc.config.model import ModelConfig
 from lmfunc.tree import PyTree
