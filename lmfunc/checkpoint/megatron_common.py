@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from argparse import Namespace
 from typing import Union
 
@@ -48,16 +49,29 @@ class _RawBytesPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = value.read()
 
 
-def _unpickled(data: Union[str, bytes], what: str) -> object:
+def load_plain_data(data: Union[str, bytes]) -> object:
     """``torch.load`` of a file path or bytes without running pickled code: Megatron's ``args``
-    Namespace is allowed, nothing else beyond plain data."""
+    Namespace is allowed, nothing else beyond plain data. Raises what ``torch.load`` raises
+    (``unpickling_failure`` says it in a few words)."""
+    with torch.serialization.safe_globals([Namespace]):
+        return torch.load(data if isinstance(data, str) else io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def unpickling_failure(err: BaseException) -> str:
+    """Why ``load_plain_data`` refused a pickle: 'the class X' it would have had to construct, or the
+    error's first line."""
+    needed = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    return f"the class {needed.group(1)}" if needed else first_line(err)
+
+
+def _unpickled(data: Union[str, bytes], what: str) -> object:
+    """``load_plain_data``, refused with a ``ConfigError`` naming ``what``."""
     try:
-        with torch.serialization.safe_globals([Namespace]):
-            return torch.load(data if isinstance(data, str) else io.BytesIO(data), map_location="cpu", weights_only=True)
+        return load_plain_data(data)
     except Exception as err:
         raise ConfigError(f"checkpoint.load_megatron: {what} holds objects beyond plain data and Megatron's args "
-                          f"({first_line(err)}); lmfunc does not unpickle arbitrary classes, since a pickle can run "
-                          "code. Give the model settings as flags instead and take the weights alone") from None
+                          f"({unpickling_failure(err)}); lmfunc does not unpickle arbitrary classes, since a pickle can "
+                          "run code. Give the model settings as flags instead and take the weights alone") from None
 
 
 def common_source(directory: str) -> str:

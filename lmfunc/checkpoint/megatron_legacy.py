@@ -26,13 +26,13 @@ to ``torch_dist`` that reads at any layout.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from typing import Any
 
 import torch
 
+from lmfunc.checkpoint.megatron_common import load_plain_data, unpickling_failure
 from lmfunc.config.model import ConfigError, ModelConfig
 
 FILE = "model_optim_rng.pt"
@@ -50,16 +50,12 @@ _COLUMNS = re.compile(r"\.(linear_proj|linear_fc2)\.weight\d*$")
 def load_rank_file(path: str) -> dict[str, Any]:
     """One ``model_optim_rng.pt``, without running pickled code (module docstring)."""
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return load_plain_data(path)
     except FileNotFoundError:
         raise ConfigError(f"checkpoint.load_megatron: {path} does not exist") from None
     except Exception as err:
-        text = str(err)
-        needed = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        what = f"the class {needed.group(1)}" if needed else (text.strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(
-            f"checkpoint.load_megatron: {path} needs {what} to load. lmfunc loads Megatron's pickles with "
+            f"checkpoint.load_megatron: {path} needs {unpickling_failure(err)} to load. lmfunc loads Megatron's pickles with "
             "weights_only=True (a pickle can run code) and allows only plain data and Megatron's args; re-save the "
             "checkpoint in the torch_dist format (Megatron: --ckpt-convert-format torch_dist) or as plain tensors") from None
 
@@ -137,11 +133,13 @@ def _merge_ep(states: list[dict[str, torch.Tensor]], local_experts: int) -> dict
                 merged[f"{match.group(1)}local_experts.{rank * local_experts + int(match.group(2))}{match.group(3)}"] = tensor
             elif match:
                 merged[f"{match.group(1)}{match.group(4)}{rank * local_experts + int(match.group(5))}"] = tensor
-            elif name.endswith(".mlp.experts.weight1"):  # [h, E_local 2f] viewing [E_local, h, 2f]
+            elif name.endswith(".mlp.experts.weight1") and rank == 0:  # [h, E_local 2f] viewing [E_local, h, 2f]
                 parts = [other[name].view(local_experts, other[name].shape[0], -1) for other in states]
                 merged[name] = torch.cat(parts).view(tensor.shape[0], -1)
-            elif name.endswith(".mlp.experts.weight2"):  # [E_local f, h]
+            elif name.endswith(".mlp.experts.weight2") and rank == 0:  # [E_local f, h]
                 merged[name] = torch.cat([other[name] for other in states])
+            elif name.endswith((".mlp.experts.weight1", ".mlp.experts.weight2")):
+                continue  # joined over every rank above
             else:
                 merged.setdefault(name, tensor)
     return merged
