@@ -3,7 +3,6 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -293,48 +292,6 @@ def test_a_step_with_run_time_sizes_compiles_without_inductors_peak_memory_reord
     assert compiling.DATA_DEPENDENT_SIZE_OPTIONS == {"reorder_for_peak_memory": False}
 
 
-def _recording_isa_list(monkeypatch) -> list:
-    """Replace Inductor's (process-cached) vector-ISA probe by a cached recorder of the threads
-    that ran it."""
-    import functools
-
-    from torch._inductor import cpu_vec_isa
-
-    threads = []
-
-    @functools.cache
-    def valid_vec_isa_list():
-        threads.append(threading.current_thread().name)
-        return []
-
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)
-    return threads
-
-
-def test_the_first_call_on_cpu_tensors_probes_the_vector_isa_beside_the_trace(monkeypatch):
-    """An Inductor step's first call on CPU data starts Inductor's vector-ISA probe on its own
-    thread (``lmfunc.compiler.isa_probe``); later calls, steps on other devices and steps that
-    Inductor does not compile start none, and a process that probed already probes no more."""
-    from lmfunc.compiler import isa_probe
-
-    threads = _recording_isa_list(monkeypatch)
-    monkeypatch.setattr(isa_probe, "_started", None)
-    assert not isa_probe.compiles_cpu_code({"step": torch.tensor(3), "w": torch.empty(4, 4, device="meta")})
-    assert isa_probe.compiles_cpu_code({"step": torch.tensor(3), "w": torch.ones(4, 4)})
-    assert isa_probe.start_vec_isa_probe((torch.empty(8, device="meta"),)) is None
-    assert compiling.call_compiled(lambda x: 2 * x)(torch.ones(3)).tolist() == [2.0] * 3 and threads == []
-    step = compiling.call_compiled(lambda x: 2 * x, probe_cpu_isa=True)
-    for _ in range(3):
-        assert step(torch.ones(3)).tolist() == [2.0] * 3
-    for thread in threading.enumerate():
-        if thread.name == "lmfunc-vec-isa-probe":
-            thread.join()
-    assert threads == ["lmfunc-vec-isa-probe"]
-    assert isa_probe.start_vec_isa_probe((torch.ones(3),)) is None
-    monkeypatch.setattr(isa_probe, "_started", None)
-    assert isa_probe.start_cpu_vec_isa_probe() is None  # the list is cached: nothing left to probe
-
-
 def test_lmfunc_compiles_kernels_without_line_tables_and_leaves_torchs_default_alone():
     """While lmfunc compiles, Inductor's C++ optimisation flags carry no line tables (``-g1`` or
     clang's ``-gline-tables-only``), which cost a fifth of each kernel's build and never change
@@ -347,39 +304,3 @@ def test_lmfunc_compiles_kernels_without_line_tables_and_leaves_torchs_default_a
     with compiling.compile_settings():
         assert not line_tables & set(cpp_builder._get_optimization_cflags(compiler)[0])
     assert line_tables & set(cpp_builder._get_optimization_cflags(compiler)[0])
-
-
-PROBE_IMPORTS = """
-import json, sys, torch
-from lmfunc.compiler import isa_probe
-seen = {}
-probe = isa_probe._probe
-
-def recording_probe():
-    before = set(sys.modules)
-    probe()
-    seen["imported"] = sorted(set(sys.modules) - before)
-    from torch._inductor import cpu_vec_isa
-    seen["isas"] = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-
-isa_probe._probe = recording_probe
-isa_probe.start_vec_isa_probe((torch.ones(4),)).join()
-print(json.dumps(seen))
-"""
-
-
-def test_the_isa_probe_thread_imports_nothing_and_finds_what_inductor_finds():
-    """In a fresh interpreter the probe's thread imports no module (imports on two threads at once
-    can fail: ``lmfunc.compiler.isa_probe``), and it leaves Inductor's cached list of this CPU's
-    vector ISAs as Inductor computes it alone."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", PROBE_IMPORTS], env=env, capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["imported"] == []
-    alone = subprocess.run([sys.executable, "-c", "from torch._inductor import cpu_vec_isa; "
-                            "print([str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()])"],
-                           env=env, capture_output=True, text=True, timeout=600, cwd=root)
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert str(seen["isas"]) == alone.stdout.strip().splitlines()[-1]

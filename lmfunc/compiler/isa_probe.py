@@ -15,6 +15,16 @@ The answer is the one Inductor would compute itself, so the compiled code is the
 probe has not finished when Inductor asks, Inductor computes it again, waiting on the probe's
 locked builds: no slower than without the probe.
 
+Every process that compiles asks again, and even with the probe programs built (a warm cache) each
+check loads its library in a child process (about 0.3 s of CPU per check, beside the compile on a
+2-core machine). So the probe records each check that passed (the ISA, its compiler flags and the
+program: Inductor checks AVX-512's bf16 and VNNI instructions with programs of their own) in
+Inductor's cache directory, ``lmfunc_vec_isa/<key>.json``, keyed by everything a pass rests on:
+the CPU's model and flags as the kernel reports them, the C++ compiler's version, torch's build and
+the Python executable. A later process with the same key answers those checks True without
+building or loading anything; any other check runs as Inductor's. A failed check is never
+recorded (it may have been a timeout on a loaded machine), so it runs again in the next process.
+
 Python's imports are not safe on two threads at once (one thread can see a module that the other
 is still initialising, and Dynamo's trace imports lazily), so every module the probe imports is
 imported before its thread starts, on the calling thread (``PROBE_MODULES``); the probe itself
@@ -23,11 +33,15 @@ then imports nothing.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
+import os
 import platform
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -35,7 +49,7 @@ from torch.utils._pytree import tree_leaves
 
 PROBE_MODULES = (
     "torch._inductor.cpu_vec_isa", "torch._inductor.codecache", "torch._inductor.cpp_builder",
-    "torch.utils._filelock", "torch.utils.cpp_extension",
+    "torch.utils._filelock", "torch.utils.cpp_extension", "torch._inductor.runtime.cache_dir_utils",
 )
 """Every module Inductor's probe imports on its way (``torch.utils.cpp_extension`` pulls in
 setuptools, which patches distutils as it loads)."""
@@ -57,14 +71,80 @@ def _candidate_isas() -> list:
     return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
 
 
+def _cpu_description() -> str:
+    """The CPU's model and the flags the kernel reports for it (Linux's ``/proc/cpuinfo``, first
+    processor), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        return f"{platform.processor()} {platform.machine()}"
+    return "\n".join(line for line in first.splitlines() if line.split(":")[0].strip() in ("model name", "flags"))
+
+
+def record_path(candidates: list) -> str:
+    """Where the answer for ``candidates`` on this CPU, compiler, torch build and Python is recorded
+    (in Inductor's cache directory)."""
+    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    facts = [_cpu_description(), get_compiler_version_info(get_cpp_compiler()), torch.__version__,
+             str(torch.version.git_version), sys.executable, *map(str, candidates)]
+    key = hashlib.sha256("\0".join(facts).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir(), "lmfunc_vec_isa", f"{key}.json")
+
+
+def _recorded_passes(path: str) -> set[str]:
+    try:
+        with open(path) as f:
+            return set(json.load(f)["passed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _replaying_checks(isa, recorded: set[str], passed: set[str]) -> Callable[[str], bool]:
+    """``isa``'s build-and-load check of a program, answered True at once when the same check
+    (ISA, compiler flags, program) is in ``recorded``; else run, and added to ``passed`` if it passes."""
+    real_check = type(isa).check_build
+
+    def check_build(code: str) -> bool:
+        key = hashlib.sha256(f"{type(isa).__name__}\0{isa.build_arch_flags()}\0{code}".encode()).hexdigest()
+        if key in recorded:
+            return True
+        ok = real_check(isa, code)
+        if ok:
+            passed.add(key)
+        return ok
+
+    return check_build
+
+
+def _record_passes(path: str, passes: set[str]) -> None:
+    partial = f"{path}.{os.getpid()}.tmp"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(partial, "w") as f:
+        json.dump({"passed": sorted(passes)}, f)
+    os.replace(partial, path)
+
+
 def _probe() -> None:
     from torch._inductor import cpu_vec_isa
 
     try:
         candidates = _candidate_isas()
-        if len(candidates) > 1:
-            with ThreadPoolExecutor(len(candidates), thread_name_prefix="lmfunc-vec-isa-check") as pool:
+        path = record_path(candidates) if candidates else None
+        recorded = _recorded_passes(path) if path is not None else set()
+        passed: set[str] = set()
+        for isa in candidates:
+            isa.check_build = _replaying_checks(isa, recorded, passed)
+        try:
+            with ThreadPoolExecutor(max(len(candidates), 1), thread_name_prefix="lmfunc-vec-isa-check") as pool:
                 list(pool.map(bool, candidates))
+        finally:
+            for isa in candidates:
+                del isa.check_build
+        if passed - recorded:
+            _record_passes(path, recorded | passed)
         cpu_vec_isa.valid_vec_isa_list()
     except Exception:  # Inductor asks again itself, and reports its own failure there
         pass

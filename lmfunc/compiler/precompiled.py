@@ -201,14 +201,16 @@ def _compile_and_save(fn: Callable, args: tuple, choose_saved: bool, path: Path)
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor",
                              options=inductor_options(choose_saved))
     try:
-        with tracing_settings(), _older_objects_frozen(), compile_settings():
-            saved = compiled.aot_compile((args, {}))
+        with tracing_settings(), _older_objects_frozen():
+            try:
+                with compile_settings():
+                    saved = compiled.aot_compile((args, {}))
+            finally:
+                release_compile_garbage()  # while the older objects are frozen: it scans what the compile made
     except Exception as error:  # the trace cannot be kept whole: the ordinary compile can still run it
         _warn(f"torch could not precompile the step ({type(error).__name__}: {error}); compiling it the "
               "ordinary way")
         return None
-    finally:
-        release_compile_garbage()
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another job may load `path` meanwhile
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
