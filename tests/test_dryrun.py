@@ -50,7 +50,9 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_role_and_its_largest_t
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--parallel.pp", "2", "--world-size", "2"], "does not trace pipeline stages yet"),
+    (["--parallel.pp", "3", "--world-size", "3"], r"model.num_layers \(2\) is not divisible by the pipeline's stages"),
+    (["--parallel.pp", "2", "--world-size", "2", "--run.global-batch-size", "2"],
+     "needs at least as many microbatches per step as stages"),
     (["--parallel.dp-shard", "2", "--world-size", "4"], "do not multiply to the world size 4"),
     (["--world-size", "1", "--gpu", "a100"], "--gpu must be one of"),
     (["--world-size", "1", "--gpu-memory-gib", "0"], "--gpu-memory-gib must be positive, got 0"),
@@ -76,6 +78,59 @@ def test_an_extrapolated_step_equals_the_whole_step_traced():
     assert extrapolated.collectives == whole.collectives and extrapolated.flops == whole.flops
     assert extrapolated.memory.inputs == whole.memory.inputs
     assert extrapolated.memory.peak == pytest.approx(whole.memory.peak, rel=MEMORY_TOLERANCE)
+
+
+def test_a_pipeline_dry_run_reports_each_stage_role():
+    """pp 2, 1F1B, 4 microbatches of 2 x 64 tokens: the first and the last pipeline rank are traced
+    (their stages' compiled forward and backward, the schedule's sends, the update); their FLOPs add
+    up to Megatron's count for the step; each rank sends one activation (or gradient) of
+    ``[2, 64, h]`` fp32 per microbatch and receives as many; the tied embedding's gradient is summed
+    over the first and last stage."""
+    cfg, _ = parse_config([*TINY, "--parallel.pp", "2"], "x", "x")
+    cfg = cfg.validate(2)
+    report = dry_run([*TINY, "--parallel.pp", "2", "--world-size", "2"])
+    first, last = report["roles"]
+    assert (first["role"], first["rank"], last["role"], last["rank"]) == ("first pipeline rank", 0,
+                                                                         "last pipeline rank", 1)
+    assert first["flops"] + last["flops"] == make_plan(cfg, 2).megatron.flops_per_iteration
+    activation = 2 * 64 * cfg.model.hidden_size
+    embedding = cfg.model.vocab_size * cfg.model.hidden_size
+    for role in (first, last):
+        sent = {(c["kind"], c["dims"]): (c["count"], c["elements"]) for c in role["collectives"]}
+        assert sent[("send", "pp")] == sent[("recv", "pp")] == (4, 4 * activation)
+        assert sent[("all_reduce", "pp")] == (3, embedding + 2)  # the tied embedding; the norm and the metrics
+        assert role["memory"]["peak_bytes"] > role["memory"]["input_bytes"] > 0
+        assert role["projection"]["bubble_seconds"] == pytest.approx(role["projection"]["compute_seconds"] / 4)
+
+
+@pytest.mark.slow  # two torchrun launches of compiled pipeline steps and their dry runs: about three minutes
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_a_pipeline_dry_run_equals_the_measured_run(schedule, virtual, tmp_path):
+    """The pipeline benchmark's compiled run (``experiments.bench.pipeline``, pp 2, 4 microbatches,
+    torchrun, gloo) against the dry run of the same workload, per rank: the collectives and the
+    point-to-point messages of one step, kind by kind, equal in count and elements; the step memory
+    within 10% (the measurement leaves out the stages' receive buffers, which persist from the
+    first step)."""
+    import dataclasses
+
+    from experiments.bench.pipeline import WORKLOAD, _train_config
+    from lmfunc.dryrun.pipeline import trace_pipeline_rank
+    from tests.helpers import run_torchrun
+
+    out = tmp_path / "measured.json"
+    run_torchrun(2, ["-m", "experiments.bench.pipeline", "--schedule", schedule, "--virtual-stages", str(virtual),
+                     "--microbatches", "4", "--steps", "1", "--memory", "--compile", "--json", str(out)])
+    measured = json.loads(out.read_text())["ranks"]
+    w = WORKLOAD
+    model = dataclasses.replace(model_preset("tiny", num_layers=w["num_layers"], hidden_size=w["hidden_size"]),
+                                tie_embeddings=False, scan_layers=False, max_position_embeddings=w["seq"])
+    cfg = _train_config(model, schedule, 2, virtual, 4).validate(2)
+    for rank, want in enumerate(measured):
+        facts = trace_pipeline_rank(cfg, 2, rank)
+        sent = {use.kind: [use.count, use.elements] for use in facts.collectives}
+        assert sent == want["collectives"], (rank, sent, want["collectives"])
+        assert facts.memory.peak == pytest.approx(want["memory_bytes"], rel=0.10), rank
 
 
 def test_every_readme_dry_run_command_is_a_valid_config():

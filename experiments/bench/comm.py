@@ -155,6 +155,28 @@ def step_collectives(call: Callable[[], object]) -> tuple[dict[str, int], dict[s
     return {kind: counts.get(kind, 0) for kind in KINDS}, {kind: elements.get(kind, 0) for kind in KINDS}
 
 
+P2P_EVENTS = {"gloo:send": "send", "gloo:recv": "recv"}
+"""The profiler's events of gloo's point-to-point operations (their ``c10d::`` events carry no shapes)."""
+
+
+def step_collectives_and_p2p(call: Callable[[], object]) -> dict[str, tuple[int, int]]:
+    """Kind -> (count, elements) of what ``call()`` sends on this rank over gloo: the functional
+    collectives (as ``step_collectives``) and the point-to-point sends and receives (a pipeline's)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        call()
+    counts, elements = Counter(), Counter()
+    for event in prof.events():
+        if event.name.startswith("_c10d_functional::") and not event.name.startswith("_c10d_functional::wait"):
+            kind = collective_kind(event.name)
+        elif event.name in P2P_EVENTS:
+            kind = P2P_EVENTS[event.name]
+        else:
+            continue
+        counts[kind] += 1
+        elements[kind] += math.prod(event.input_shapes[0]) if event.input_shapes else 0
+    return {kind: (counts[kind], elements[kind]) for kind in counts}
+
+
 def _counts(mode: CommDebugMode) -> Counter:
     return Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()})
 

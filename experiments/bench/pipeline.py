@@ -25,17 +25,23 @@ and batch hold plus the allocator's peak during one more step (``allocator_peak_
 the stages and the update, as the trainer does (the prediction models compiled stages).
 
 ``--timeline`` prints the order of one step's actions per rank with their start times (ms).
+``--json PATH`` writes, for the last ``--microbatches`` value, each rank's step memory (as
+``--memory`` measures it) and the collectives and point-to-point messages of one more step, by
+kind: (count, elements) (``experiments.bench.comm.step_collectives_and_p2p``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from experiments.bench.comm import step_collectives_and_p2p
 from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.config.pipeline import check_microbatches, pipeline_split
@@ -141,7 +147,7 @@ def _step_memory(step, state, batch) -> tuple:
 
 
 def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, timeline: bool, memory: bool = False,
-            compile: bool = False) -> None:
+            compile: bool = False, json_path: Optional[str] = None) -> None:
     rank, pp = dist.get_rank(), dist.get_world_size()
     w = WORKLOAD
     split = pipeline_split(w["num_layers"], pp, schedule_name, virtual if virtual > 1 else None)
@@ -177,6 +183,11 @@ def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, tim
     held = peak = 0
     if memory:
         state, held, peak = _step_memory(step, state, batch)
+    sent = {}
+    if json_path:
+        sent = step_collectives_and_p2p(lambda: step(state, batch))
+    all_sent = [None] * pp
+    dist.all_gather_object(all_sent, sent)
     mine = torch.tensor([sum(fractions) / len(fractions), sum(busy_ms) / len(busy_ms), sum(step_ms) / len(step_ms),
                          float(sends[-1]), sum(schedule_ms) / len(schedule_ms), float(held), float(peak)],
                         dtype=torch.float64)
@@ -203,6 +214,10 @@ def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, tim
     planned = [chunks_in_flight(schedule_name, split, microbatches, r) for r in range(pp)]
     print(f"  microbatches in flight (forward done, backward not yet), most per rank: {in_flight}, "
           f"lmfunc.plan {planned}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"ranks": [{"memory_bytes": float(g[5]) + float(g[6]), "collectives": all_sent[r]}
+                                 for r, g in enumerate(gathered)]}, f)
     if memory:
         train_cfg = _train_config(cfg, schedule_name, pp, virtual, microbatches)
         for r, g in enumerate(gathered):
@@ -225,10 +240,11 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     for m in args.microbatches:
-        measure(args.schedule, args.virtual_stages, m, args.steps, args.timeline, args.memory, args.compile)
+        measure(args.schedule, args.virtual_stages, m, args.steps, args.timeline, args.memory, args.compile, args.json)
     dist.barrier()
     dist.destroy_process_group()
     exit_without_finalizing()  # gloo's threads can abort a finalizing interpreter (see there)

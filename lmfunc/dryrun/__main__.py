@@ -18,8 +18,8 @@ DESCRIPTION = """Dry run: trace the step `python -m lmfunc.train` would run, for
 CPU (fake tensors on a fake process group: nothing is allocated or sent), and report each rank role's
 peak memory, collectives (kind, mesh dims, count, bytes), FLOPs and a projected step time and MFU,
 beside lmfunc.plan's numbers. A layout that does not fit in the GPU's memory is refused (exit 2),
-as is every configuration the run would refuse at start-up. Layouts with pipeline parallelism are
-not traced yet. The target, besides the training flags below: --world-size N (default: the
+as is every configuration the run would refuse at start-up. With pipeline parallelism each role is
+traced: the first, a middle (the second) and the last pipeline rank. The target, besides the training flags below: --world-size N (default: the
 product of the parallel sizes), --gpus-per-node (8), --gpu h100|h200 (h100; SXM), --peak-tflops,
 --gpu-memory-gib, --nvlink-gbps, --network-gbps (override the GPU's numbers), --json PATH (the
 report as JSON)."""
@@ -45,7 +45,10 @@ def role_name(sizes: dict[str, int]) -> str:
 def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
     """Parse ``argv``, trace, print the report and return it as JSON values."""
     from lmfunc.config.command_line import parse_config
+    from lmfunc.dryrun.capture import batch_plan
     from lmfunc.dryrun.extrapolate import dry_run_facts
+    from lmfunc.dryrun.pipeline import pipeline_roles, trace_pipeline_rank
+    from lmfunc.plan.pipeline_memory import predict_pipeline_rank
     from lmfunc.dryrun.report import check_fits, format_report, hardware, report_json, role_report
     from lmfunc.plan.report import format_plan, make_plan, world_size_for
 
@@ -57,9 +60,6 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value}")
     sizes = cfg.parallel.sizes(world)
-    if sizes["pp"] > 1:
-        raise ConfigError(f"parallel.pp is {sizes['pp']}: the dry run does not trace pipeline stages yet; "
-                          "dry-run the layout with parallel.pp 1 and the same other sizes, or use python -m lmfunc.plan")
     hw = hardware(known.gpu, cfg.precision.compute_dtype, cfg.precision.tf32, known.gpus_per_node,
                   None if known.peak_tflops is None else known.peak_tflops * 1e12,
                   None if known.gpu_memory_gib is None else known.gpu_memory_gib * 2**30,
@@ -67,14 +67,26 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
                   None if known.network_gbps is None else known.network_gbps * 1e9)
     plan = make_plan(cfg, world)
     print(format_plan(plan))
-    report = role_report(role_name(sizes), dry_run_facts(cfg, world, rank=0), hw, plan.lmfunc.peak if plan.lmfunc else None,
-                         plan.megatron.flops_per_iteration / world)
-    print(format_report(report, hw))
-    result = {"world_size": world, "sizes": sizes, "roles": [report_json(report, hw)]}
+    even_share = plan.megatron.flops_per_iteration / world
+    reports = []
+    if sizes["pp"] == 1:
+        reports.append(role_report(role_name(sizes), dry_run_facts(cfg, world, rank=0), hw,
+                                   plan.lmfunc.peak if plan.lmfunc else None, even_share))
+    else:
+        microbatches = batch_plan(cfg, world).num_microbatches_at(0)
+        bubble = (sizes["pp"] - 1) / ((cfg.parallel.virtual_stages or 1) * microbatches)
+        for name, rank in pipeline_roles(sizes, lambda index: index * (world // sizes["pp"])):
+            rank_plan = predict_pipeline_rank(cfg, sizes, rank // (world // sizes["pp"]))
+            reports.append(role_report(name, trace_pipeline_rank(cfg, world, rank), hw,
+                                       rank_plan.peak if rank_plan else None, even_share, bubble))
+    for report in reports:
+        print(format_report(report, hw))
+    result = {"world_size": world, "sizes": sizes, "roles": [report_json(report, hw) for report in reports]}
     if known.json:
         with open(known.json, "w") as f:
             json.dump(result, f, indent=1)
-    check_fits(report, hw)
+    for report in reports:
+        check_fits(report, hw)
     return result
 
 

@@ -70,6 +70,39 @@ class ScheduledMemory:
     steps: int
     largest: list[tuple[str, int]]
     """The largest buffers live at the peak: (buffer name and the ops it holds, bytes)."""
+    per_step: tuple[int, ...] = ()
+    """Bytes of the buffers live at each scheduled node."""
+    input_last_uses: tuple[tuple[int, int, int], ...] = ()
+    """(position among the graph's inputs, the scheduled node that last reads it, its bytes) of each
+    input tensor: the compiled graph frees an input after that node unless its caller holds it."""
+
+    def peak_freeing(self, freeable: set[int]) -> int:
+        """The peak beyond the graph's inputs when the inputs at the positions ``freeable`` are freed
+        after their last use (where they no longer count against the buffers); at least 0."""
+        freed_at = [0] * (len(self.per_step) + 1)
+        for position, last_use, size in self.input_last_uses:
+            if position in freeable:
+                freed_at[last_use + 1] += size
+        peak, freed = 0, 0
+        for step, live in enumerate(self.per_step):
+            freed += freed_at[step]
+            peak = max(peak, live - freed)
+        return peak
+
+
+def _input_last_uses(lowering, nodes: list) -> tuple[tuple[int, int, int], ...]:
+    """``ScheduledMemory.input_last_uses`` of a scheduled ``GraphLowering``."""
+    from torch._inductor.memory import get_freeable_input_buf
+    from torch.utils._ordered_set import OrderedSet
+
+    step_of = {node: step for step, node in enumerate(nodes)}
+    names = list(lowering.graph_input_names)
+    uses = []
+    for name, buffer in get_freeable_input_buf(nodes, OrderedSet(names)).items():
+        readers = buffer.mpi_buffer.succ_nodes
+        if readers and name in names:
+            uses.append((names.index(name), max(step_of[node] for node in readers), buffer.mpi_buffer.size_free))
+    return tuple(uses)
 
 
 def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
@@ -92,7 +125,8 @@ def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
         ops = sorted({str(getattr(o, "target", o)) for o in origins})[:3]
         return f"{buffer.get_name()} ({', '.join(ops)})" if ops else buffer.get_name()
 
-    return ScheduledMemory(peak, at, len(nodes), [(name(info), info.size_alloc) for info in live[:largest]])
+    return ScheduledMemory(peak, at, len(nodes), [(name(info), info.size_alloc) for info in live[:largest]],
+                           tuple(per_step), _input_last_uses(lowering, nodes))
 
 
 @contextlib.contextmanager
@@ -119,23 +153,49 @@ NO_COMPILE_CACHES = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
 the lowering the capture reads."""
 
 
-def capturing_backend(sink: list, bucket_size_mb: Optional[float]) -> Callable:
-    """A Dynamo backend that runs the step's graph through Inductor with the options lmfunc
-    compiles every step with (``inductor_options``, ``compile_settings``): AOTAutograd, the
-    post-grad passes, lowering and scheduling, and stops before code generation; the step it
-    returns raises ``_Captured`` instead of running."""
-    from torch._inductor.compile_fx import compile_fx
+GraphRunner = Callable[[int, torch.fx.GraphModule], Callable]
+"""``runner(index, graph)``: a boxed callable that runs ``graph`` (AOTAutograd's forward or backward
+graph, before Inductor's passes), the ``index``-th graph put in the sink."""
+
+
+def capturing_backend(sink: list, options: dict, runner: Optional[GraphRunner] = None) -> Callable:
+    """A Dynamo backend that runs a graph through Inductor as lmfunc compiles it (Inductor
+    ``options``, such as ``inductor_options``, under ``compile_settings``): AOTAutograd, the
+    post-grad passes, lowering and scheduling, and stops before code generation, putting each graph
+    Inductor would compile (a forward and, at the first backward, a backward for a function that
+    AOTAutograd differentiates; one graph for the train step) in ``sink``.
+
+    Without a ``runner`` the function it returns raises ``_Captured`` instead of running. With one,
+    each of AOTAutograd's graphs runs as ``runner`` makes it run (on fake tensors), so that code
+    around it (a pipeline schedule) goes on."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.exc import InductorError
 
-    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        options = {**options_for_graph(graph, inductor_options(True, bucket_size_mb)), **NO_COMPILE_CACHES}
+    def inner(graph: torch.fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
+        if runner is not None:
+            copied = torch.fx.Graph()
+            copied.output(copied.graph_copy(graph.graph, {}))
+            runnable = torch.fx.GraphModule(graph, copied)  # before the passes rewrite ``graph``
         try:
-            with compile_settings(), torch._functorch.config.patch(enable_autograd_cache=False), \
-                    _stop_at_code_generation(sink):
-                compile_fx(graph, example_inputs, config_patches=options)
+            with _stop_at_code_generation(sink):
+                compile_fx_inner(graph, example_inputs, **kwargs)
         except _Captured:
             pass
         except InductorError as error:  # Inductor wraps what its compile raises
+            if not isinstance(error.inner_exception, _Captured):
+                raise
+        if runner is None:
+            raise _Captured()
+        return runner(len(sink) - 1, runnable)
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        patches = {**options_for_graph(graph, options), **NO_COMPILE_CACHES}
+        try:
+            with compile_settings(), torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(graph, example_inputs, inner_compile=inner, config_patches=patches)
+        except _Captured:
+            pass
+        except InductorError as error:
             if not isinstance(error.inner_exception, _Captured):
                 raise
 
@@ -175,7 +235,7 @@ def trace(world_size: int, rank: int, sizes: dict[str, int], make: StepInputs,
         layout = Layout(dict(sizes), mesh)
         sink: list = []
         with FakeTensorMode(allow_non_fake_inputs=True):
-            step, state, batch = make(layout, capturing_backend(sink, bucket_size_mb))
+            step, state, batch = make(layout, capturing_backend(sink, inductor_options(True, bucket_size_mb)))
             try:
                 step(state, batch)
             except _Captured:

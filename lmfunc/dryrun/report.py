@@ -7,6 +7,9 @@ The projection (an upper bound on MFU: compute runs at the datasheet peak):
   ``(n - 1) x`` its input, a reduce-scatter and an all-to-all ``(n - 1) / n`` of it, an all-reduce
   ``2 (n - 1) / n``), at NVLink bandwidth when every rank of its group is on one node, else at the
   network's (per GPU);
+- pipeline bubble: with pipeline parallelism, Megatron's bubble fraction ``(pp - 1) / (v m)`` of the
+  compute (``v`` virtual stages, ``m`` microbatches) is added (idle time; the zero-bubble schedules
+  idle less); a stage's sends are on the critical path (a receive is its sender's send);
 - overlap: the data-parallel collectives (parameter gathers, gradient reductions: groups over
   ``dp_replicate``/``dp_shard`` only), which lmfunc buckets and issues ahead of the compute that
   needs them, hide behind the step's compute; every other one (tensor, sequence, context and
@@ -65,8 +68,10 @@ def _wire_factor(kind: str, n: int) -> float:
         return n - 1
     if kind == "all_reduce":
         return 2 * (n - 1) / n
-    if kind == "broadcast":
+    if kind in ("broadcast", "send"):
         return 1.0
+    if kind == "recv":
+        return 0.0  # the sender's time
     return (n - 1) / n  # reduce-scatter, all-to-all
 
 
@@ -95,18 +100,21 @@ class RoleReport:
     exposed_seconds: float
     plan_peak: Optional[int]
     plan_flops: float
-    """Megatron's count for this rank's share (``lmfunc.plan``: no recompute): the MFU numerator."""
+    """Megatron's count for an even share of the step (``lmfunc.plan``: no recompute): the MFU numerator."""
+    bubble_seconds: float = 0.0
 
     @property
     def step_seconds(self) -> float:
-        return self.compute_seconds + self.exposed_seconds
+        return self.compute_seconds + self.bubble_seconds + self.exposed_seconds
 
     def mfu(self, hw: Hardware) -> float:
         return self.plan_flops / (self.step_seconds * hw.peak_flops)
 
 
-def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[int], plan_flops: float) -> RoleReport:
-    """The report of one role's step ``facts`` on ``hw`` (module docstring)."""
+def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[int], plan_flops: float,
+                bubble_fraction: float = 0.0) -> RoleReport:
+    """The report of one role's step ``facts`` on ``hw`` (module docstring); ``bubble_fraction``: the
+    pipeline's idle time, a fraction of the compute."""
     compute = facts.flops / hw.peak_flops
     times, data_parallel, exposed = [], 0.0, 0.0
     for use in facts.collectives:
@@ -124,7 +132,7 @@ def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[i
             exposed += seconds or 0.0
     exposed += max(0.0, data_parallel - compute)
     return RoleReport(role, facts.rank, facts.trace_seconds, facts.traced, facts.memory, times, facts.flops,
-                      facts.flops_unknown_ops, compute, exposed, plan_peak, plan_flops)
+                      facts.flops_unknown_ops, compute, exposed, plan_peak, plan_flops, compute * bubble_fraction)
 
 
 def check_fits(report: RoleReport, hw: Hardware) -> None:
@@ -157,7 +165,7 @@ def format_report(report: RoleReport, hw: Hardware) -> str:
              f"{_percent(mem.peak, report.plan_peak)}); the step's inputs (params, optimizer state, batch) "
              f"{_gib(mem.inputs)}; at node {mem.at_node}"]
     lines += [f"    live there: {name} {_gib(size)}" for name, size in mem.largest]
-    lines.append(f"  FLOPs: {report.flops:.4g} on the graph (recomputation included); Megatron's count for this rank "
+    lines.append(f"  FLOPs: {report.flops:.4g} on the graph (recomputation included); Megatron's count for an even share "
                  f"{report.plan_flops:.4g} ({_percent(report.flops, report.plan_flops)})"
                  + (f"; {report.flops_unknown_ops} ops of data-dependent size not counted" if report.flops_unknown_ops
                     else ""))
@@ -170,7 +178,7 @@ def format_report(report: RoleReport, hw: Hardware) -> str:
                      f"{t.link} {time}{' (overlapped)' if t.overlapped else ''}")
     lines.append(f"  projected on {hw.name} ({hw.peak_flops / 1e12:.0f} TFLOP/s, NVLink {hw.nvlink_bytes_per_s / 1e9:.0f}"
                  f" GB/s, network {hw.network_bytes_per_s / 1e9:.0f} GB/s per GPU): compute {1e3 * report.compute_seconds:.2f}"
-                 f" ms + exposed communication {1e3 * report.exposed_seconds:.2f} ms = step {1e3 * report.step_seconds:.2f}"
+                 f" ms + pipeline bubble {1e3 * report.bubble_seconds:.2f} ms + exposed communication {1e3 * report.exposed_seconds:.2f} ms = step {1e3 * report.step_seconds:.2f}"
                  f" ms; MFU at most {100 * report.mfu(hw):.1f}% (compute at peak; data-parallel collectives overlapped)")
     return "\n".join(lines)
 
@@ -194,6 +202,7 @@ def report_json(report: RoleReport, hw: Hardware) -> dict:
         "collectives": [{"kind": t.use.kind, "dims": t.use.dims, "count": t.use.count, "elements": t.use.elements,
                          "bytes": t.use.bytes, "group_size": t.group_size, "link": t.link, "seconds": t.seconds,
                          "overlapped": t.overlapped} for t in report.collectives],
-        "projection": {"compute_seconds": report.compute_seconds, "exposed_seconds": report.exposed_seconds,
+        "projection": {"compute_seconds": report.compute_seconds, "bubble_seconds": report.bubble_seconds,
+                       "exposed_seconds": report.exposed_seconds,
                        "step_seconds": report.step_seconds, "mfu": report.mfu(hw), "hardware": dataclasses.asdict(hw)},
     }

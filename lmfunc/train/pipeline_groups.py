@@ -30,7 +30,8 @@ def data_parallel_size(data_mesh: Optional[DeviceMesh]) -> int:
     """How many data-parallel parts a batch has on ``data_mesh`` (1 without one)."""
     if data_mesh is None:
         return 1
-    return int(config_data_parallel_size(dict(zip(data_mesh.mesh_dim_names, data_mesh.mesh.shape))))
+    sizes = {name: data_mesh.size(dim) for dim, name in enumerate(data_mesh.mesh_dim_names)}
+    return int(config_data_parallel_size(sizes))
 
 
 def embedding_group(group: dist.ProcessGroup, mesh: Optional[DeviceMesh], ranks: list[int]):

@@ -110,15 +110,17 @@ def gather_pipeline_params(params: PyTree, cfg: ModelConfig, pipe: PipelineRank,
 
 
 def pipeline_steps(cfg: TrainConfig, pipe: PipelineRank, microbatches: int, tx, lr_schedule, loss_scale,
-                   compute_dtype: torch.dtype, device: torch.device) -> tuple[Callable, Callable, str]:
+                   compute_dtype: torch.dtype, device: torch.device,
+                   backend_for: Optional[Callable] = None) -> tuple[Callable, Callable, str]:
     """The pipeline rank's train and eval steps (``lmfunc.train.pipeline_step``): torch's schedule
     over this rank's stages for ``microbatches`` per step, every rank loading its data-parallel
-    part of the batch; and the line that describes them."""
+    part of the batch; and the line that describes them. ``backend_for``: the train step's compile
+    backends (``make_pipeline_train_step``; the dry run's)."""
     compile = cfg.run.compile
     train_step = make_pipeline_train_step(
         cfg.model, tx, pipe.split, pipe.schedule, microbatches, clip_grad=cfg.optim.clip_grad,
         lr_schedule=lr_schedule, compute_dtype=compute_dtype, loss_scale=loss_scale, device=device, compile=compile,
-        mesh=pipe.mesh, donate_state=True)
+        mesh=pipe.mesh, donate_state=True, backend_for=backend_for)
     eval_step = make_pipeline_eval_step(cfg.model, pipe.split, pipe.schedule, microbatches,
                                         compute_dtype=compute_dtype, device=device, compile=compile, mesh=pipe.mesh)
     description = (f"pipeline: {pipe.schedule} over pp {pipe.split.pp} ({pipe.split.num_stages} stages, "

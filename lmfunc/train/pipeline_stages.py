@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ class StageModule(nn.Module):
     tensors each step) and ``stage_forward``; on the last stage also the loss, whose per-microbatch
     ``LossOutput`` it records for the step's metrics, as it records its MoE layers' ``RouterStats``
     (``router_stats``, for its ``moe_layers``). With ``compile`` the stage's function is
-    compiled (``torch.compile``, Inductor): AOTAutograd compiles its backward with it.
+    compiled (``torch.compile``, Inductor or ``backend``): AOTAutograd compiles its backward with it.
 
     On a ``data_mesh`` (the data- and tensor-parallel dims of this pipeline rank) the leaves are
     DTensors and the stage takes and returns plain local tensors, this rank's part of each
@@ -42,7 +43,8 @@ class StageModule(nn.Module):
 
     def __init__(self, template: PyTree, cfg: ModelConfig, split: PipelineSplit, stage: int,
                  compute_dtype: torch.dtype, objective: Callable, compile: bool,
-                 data_mesh: Optional[DeviceMesh] = None, split_backward: bool = False) -> None:
+                 data_mesh: Optional[DeviceMesh] = None, split_backward: bool = False,
+                 backend: Union[str, Callable] = "inductor") -> None:
         super().__init__()
         self.template, self.cfg, self.split, self.stage = template, cfg, split, stage
         self.data_mesh, self.split_backward = data_mesh, split_backward
@@ -54,7 +56,7 @@ class StageModule(nn.Module):
         self.grad_scale: Optional[torch.Tensor] = None
         self.run = self._run
         if compile:
-            self.run = torch.compile(with_own_code(_stage_function(self)), fullgraph=True, dynamic=False)
+            self.run = torch.compile(with_own_code(_stage_function(self)), fullgraph=True, dynamic=False, backend=backend)
 
     def bind(self, params: PyTree, grad_scale: Optional[torch.Tensor] = None) -> None:
         """Use ``params`` (this stage's subtree) for the next step, whose objective is multiplied by
@@ -123,6 +125,47 @@ class StageModule(nn.Module):
         # the fields are metrics only: detached, so a compiled stage's backward needs no tangent for them
         loss_fields = (field.detach() for field in out[:4])
         return (value, *loss_fields, *_router_fields(stats + ([out.router] if out.router is not None else [])))
+
+
+@dataclass(frozen=True)
+class StageShapes:
+    """What a pipeline stage takes and returns, per microbatch, on this rank: the tokens ``[B, S]``
+    (int64) into the first stage, the hidden states ``[B, S', h]`` (the compute dtype; ``S'`` is
+    ``S / tp`` with sequence parallelism) between stages, and the last stage's objective ``[1]``
+    (float32). ``B`` and ``S`` are this rank's part of a microbatch (split over the data-parallel
+    dims and ``cp``). ``requires_grad``: the step runs a backward through them."""
+
+    micro_batch: int
+    seq: int
+    hidden_seq: int
+    hidden_size: int
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @staticmethod
+    def of(tokens: torch.Tensor, cfg: ModelConfig, compute_dtype: torch.dtype, data_mesh: Optional[DeviceMesh],
+           requires_grad: bool) -> "StageShapes":
+        """The shapes for this rank's part of a batch, ``tokens`` ``[M, B, S]``."""
+        _, micro_batch, seq = tokens.shape
+        names = data_mesh.mesh_dim_names if data_mesh is not None else ()
+        tp = data_mesh.size(names.index("tp")) if cfg.sequence_parallel and "tp" in names else 1
+        return StageShapes(micro_batch, seq, seq // tp, cfg.hidden_size, compute_dtype, requires_grad)
+
+    def _hidden(self) -> torch.Tensor:
+        return torch.empty(self.micro_batch, self.hidden_seq, self.hidden_size, dtype=self.dtype, device="meta",
+                           requires_grad=self.requires_grad)
+
+    def inputs(self, split: PipelineSplit, stage: int) -> tuple[torch.Tensor, ...]:
+        """Stage ``stage``'s positional input (meta tensors: shapes only)."""
+        if split.holds_embedding(stage):
+            return (torch.empty(self.micro_batch, self.seq, dtype=torch.int64, device="meta"),)
+        return (self._hidden(),)
+
+    def outputs(self, split: PipelineSplit, stage: int) -> tuple[torch.Tensor, ...]:
+        """Stage ``stage``'s output (meta tensors: shapes only)."""
+        if split.holds_head(stage):
+            return (torch.empty(1, dtype=torch.float32, device="meta", requires_grad=self.requires_grad),)
+        return (self._hidden(),)
 
 
 def _router_fields(stats: list[RouterStats]) -> tuple[torch.Tensor, ...]:

@@ -58,21 +58,28 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSplit, check_schedule_model
-from lmfunc.compiler.compiling import compile_settings, compile_step, retained_backward_settings
+from lmfunc.compiler.compiling import compile_settings, compile_step, inductor_options, retained_backward_settings
 from lmfunc.loss import lm_loss_of_hidden
-from lmfunc.optim import GradientTransformation, apply_updates, clip_by_global_norm_with_norm, global_norm
+from lmfunc.optim import GradientTransformation
 from lmfunc.optim.transforms import Schedule
 from lmfunc.parallel.context import CP_DIM
 from lmfunc.parallel.sharding import context_split, local_batch_to_dtensor, match_placements
-from lmfunc.precision import LossScaleConfig, all_finite
+from lmfunc.precision import LossScaleConfig
 from lmfunc.model import moe
 from lmfunc.model.stages import shared_leaves, stage_moe_layers, stage_params
 from lmfunc.train.pipeline_groups import data_parallel_size, embedding_group, pipeline_groups
-from lmfunc.train.pipeline_stages import StageModule, router_sums, unpacked_router
+from lmfunc.train.pipeline_stages import StageModule, StageShapes, router_sums
+from lmfunc.train.pipeline_update import pipeline_update
 from lmfunc.train.state import TrainState
-from lmfunc.train.step import (Batch, Metrics, check_batch, check_no_shared_storage, microbatch_seed, skip_on_overflow,
-                               write_into)
+from lmfunc.train.step import (Batch, Metrics, check_batch, check_no_shared_storage, microbatch_seed)
 from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
+
+
+BackendFor = Callable[[dict], Callable]
+"""``backend_for(options)``: the Dynamo backend to compile a function with, given the Inductor
+options lmfunc would compile it with."""
+STAGE_INDUCTOR_OPTIONS: dict = {}
+"""The stages compile with Inductor's own options (under ``compile_settings``)."""
 
 
 def make_pipeline_train_step(
@@ -91,6 +98,7 @@ def make_pipeline_train_step(
     compile: bool = False,
     mesh: Optional[DeviceMesh] = None,
     donate_state: bool = False,
+    backend_for: Optional[BackendFor] = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build this pipeline rank's ``step(state, batch) -> (state, metrics)`` (module docstring) for
     ``schedule`` (``lmfunc.config.pipeline.SCHEDULES``) over ``group`` (default: the world), with
@@ -105,7 +113,11 @@ def make_pipeline_train_step(
 
     ``donate_state``: the update writes the new params and optimizer state into the input state's
     tensors, as ``make_train_step(donate_state=True)`` does; compiled, it then needs no second copy
-    of this rank's params and Adam moments. The input state must not be used afterwards."""
+    of this rank's params and Adam moments. The input state must not be used afterwards.
+
+    ``backend_for``: with ``compile``, ``backend_for(options)`` is the Dynamo backend each function is
+    compiled with instead of Inductor with the Inductor ``options`` lmfunc gives it (the dry run's
+    capture, ``lmfunc.dryrun``)."""
     if cfg.scan_layers:
         raise ValueError("pipeline parallelism runs the unstacked layers: turn model.scan_layers off")
     check_schedule_model(schedule, cfg.tie_embeddings, cfg.mtp_num_layers, compile)
@@ -139,14 +151,16 @@ def make_pipeline_train_step(
         scale = state.loss_scale.scale if loss_scale is not None else None
         grad_scale = normaliser * scale if scale is not None else normaliser
         first_call = not modules
+        local = _context_part(batch, data)
         if first_call:
+            shapes = StageShapes.of(local["tokens"], cfg, compute_dtype, data, requires_grad=True)
             runtime["schedule"] = _build_schedule(state.params, cfg, split, schedule, num_microbatches, group, device,
-                                                  compute_dtype, objective, modules, compile, data)
+                                                  compute_dtype, objective, modules, compile, data, shapes, backend_for)
         for stage, module in modules.items():
             module.bind(stage_params(state.params, cfg, split, stage), grad_scale)
         seeds = (torch.stack([microbatch_seed(state, i) for i in range(num_micro)]).reshape(num_micro, 1)
                  if dropout else None)
-        args, kwargs = _schedule_inputs(_context_part(batch, data), seeds, first_rank == rank, last_rank == rank)
+        args, kwargs = _schedule_inputs(local, seeds, first_rank == rank, last_rank == rank)
         with _schedule_context(compile, first_call, schedule, data is not None):
             runtime["schedule"].step(*args, **kwargs)
         grads = _gather_grads(state.params, modules)
@@ -168,11 +182,14 @@ def make_pipeline_train_step(
 
     def update(state: TrainState, grads: PyTree, sums: torch.Tensor, normaliser: torch.Tensor,
                num_tokens: torch.Tensor, consumed: int) -> tuple[TrainState, Metrics]:
-        return _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens,
+        return pipeline_update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens,
                        counted=lambda path: path not in shared or rank == first_rank, consumed=consumed,
                        donate=donate_state, num_micro=num_microbatches, held_moe_layers=held_moe_layers)
 
-    run_update = compile_step(update, bucket_size_mb=None) if compile else update
+    run_update = update
+    if compile:
+        update_options = inductor_options(True, None)
+        run_update = compile_step(update, backend_for(update_options) if backend_for else "inductor", bucket_size_mb=None)
     step.schedule = lambda: runtime.get("schedule")  # torch's schedule object, once built (benchmarks)
     return step
 
@@ -260,12 +277,14 @@ def make_pipeline_eval_step(
             raise ValueError(f"the batch has {batch['tokens'].shape[0]} microbatches but the pipeline eval step was "
                              f"built for {num_microbatches}")
         first_call = not modules
+        local = _context_part(batch, data)
         if first_call:
+            shapes = StageShapes.of(local["tokens"], cfg, compute_dtype, data, requires_grad=not forward_only)
             runtime["schedule"] = _build_schedule(params, cfg, split, schedule, num_microbatches, group, device,
-                                                  compute_dtype, objective, modules, compile, data)
+                                                  compute_dtype, objective, modules, compile, data, shapes)
         for stage, module in modules.items():
             module.bind(stage_params(params, cfg, split, stage))
-        args, kwargs = _schedule_inputs(_context_part(batch, data), None, first_rank == rank, last_rank == rank)
+        args, kwargs = _schedule_inputs(local, None, first_rank == rank, last_rank == rank)
         with _schedule_context(compile, first_call, schedule, data is not None):
             if forward_only:
                 with torch.no_grad():
@@ -282,15 +301,21 @@ def make_pipeline_eval_step(
 
 def _build_schedule(params: PyTree, cfg: ModelConfig, split: PipelineSplit, schedule: str, num_microbatches: int,
                     group: dist.ProcessGroup, device: torch.device, compute_dtype: torch.dtype, objective: Callable,
-                    modules: dict, compile: bool, data_mesh: Optional[DeviceMesh]):
+                    modules: dict, compile: bool, data_mesh: Optional[DeviceMesh], shapes: StageShapes,
+                    backend_for: Optional[BackendFor] = None):
     """torch's ``schedule`` over this rank's stage modules (made into ``modules``), for
-    ``num_microbatches`` microbatches. The last stage returns its objective, so the loss function is a
-    sum and the schedule must not rescale the gradients (``scale_grads=False``)."""
+    ``num_microbatches`` microbatches, each stage given its input and output ``shapes`` (so torch
+    needs no metadata exchange between the ranks at the first step). The last stage returns its
+    objective, so the loss function is a sum and the schedule must not rescale the gradients
+    (``scale_grads=False``)."""
     my_stages = split.stages_of_rank(dist.get_rank(group))
     for stage in my_stages:
         modules[stage] = StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
-                                      objective, compile, data_mesh, split_backward=schedule in SPLIT_BACKWARD)
-    stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group) for s in my_stages]
+                                      objective, compile, data_mesh, split_backward=schedule in SPLIT_BACKWARD,
+                                      backend=backend_for(STAGE_INDUCTOR_OPTIONS) if backend_for else "inductor")
+    stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group,
+                                       input_args=shapes.inputs(split, s),
+                                       output_args=shapes.outputs(split, s)) for s in my_stages]
     loss_fn = lambda output, target: output.sum()  # noqa: E731
     schedule_cls = getattr(pipelining, SCHEDULES[schedule][0])
     return schedule_cls(stages[0] if SCHEDULES[schedule][1] == 1 else stages, num_microbatches, loss_fn=loss_fn,
@@ -336,56 +361,3 @@ def _gather_grads(params: PyTree, modules: dict) -> PyTree:
         for path, grad in zip(module.paths, module.grads()):
             sums[path] = sums[path] + grad if path in sums else grad
     return tree_unflatten_as(params, [sums[path] for path, _ in flatten_with_paths(params)])
-
-
-def _full(x: torch.Tensor) -> torch.Tensor:
-    """A DTensor's value as a plain tensor (reduced or gathered over its mesh); plain tensors unchanged."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
-
-def _update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_schedule, cfg, normaliser, num_tokens, counted,
-            consumed, donate, num_micro, held_moe_layers):
-    """``make_train_step``'s update of this rank's state, with the norm and overflow flag reduced
-    over the pipeline and the metrics (``sums``: this rank's summed main and MTP token losses and
-    MTP token counts, then with MoE layers ``router_sums``) summed from the stages to every rank;
-    with MoE layers every expert bias this rank holds (``held_moe_layers``) moved by its layer's
-    load; with ``donate`` written into the input state's tensors."""
-    scale = state.loss_scale.scale if loss_scale is not None else None
-    paths = [path for path, _ in flatten_with_paths(grads)]
-    leaves = [leaf for _, leaf in flatten_with_paths(grads)]
-    found_inf = None
-    if scale is not None:
-        leaves = torch._foreach_div(leaves, scale)
-        overflow = (~all_finite(leaves)).to(torch.float32)
-        dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
-        found_inf = overflow > 0
-    device = leaves[0].device
-    mine = [leaf for path, leaf in zip(paths, leaves) if counted(path)]
-    norm_sq = _full(global_norm(mine)) ** 2 if mine else torch.zeros((), device=device)
-    dist.all_reduce(norm_sq, group=group)
-    grad_norm = norm_sq.sqrt()
-    grads = tree_unflatten_as(state.params, leaves)
-    if clip_grad > 0:
-        grads, _ = clip_by_global_norm_with_norm(grads, clip_grad, norm=grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = apply_updates(state.params, updates)
-    depths = cfg.mtp_num_layers
-    sums = sums.clone()
-    dist.all_reduce(sums, group=group)
-    metrics = {"loss": sums[0] * normaliser, "grad_norm": grad_norm, "num_tokens": num_tokens}
-    for k in range(depths):
-        metrics[f"mtp_{k + 1}_loss"] = sums[1 + k] / torch.clamp(sums[1 + depths + k], min=1.0)
-    params, opt_state, new_loss_scale, optimizer_steps = skip_on_overflow(state, params, opt_state, found_inf,
-                                                                          loss_scale, metrics)
-    if moe.moe_layer_names(cfg):
-        router = unpacked_router(sums[1 + 2 * depths:], cfg.num_experts)
-        params = moe.updated_expert_biases(params, router.load[held_moe_layers], cfg,
-                                           [moe.moe_layer_names(cfg)[i] for i in held_moe_layers])
-        metrics |= moe.router_metrics(router, num_micro, cfg)
-    if lr_schedule is not None:
-        metrics["lr"] = lr_schedule(optimizer_steps)
-    if donate:
-        params, opt_state = write_into(state.params, params), write_into(state.opt_state, opt_state)
-    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                              consumed_samples=state.consumed_samples + consumed, loss_scale=new_loss_scale)
-    return new_state, metrics

@@ -1,0 +1,286 @@
+"""The dry run of a pipeline-parallel rank: its train step, run on fake tensors, with every graph the
+step compiles captured as Inductor would compile it.
+
+A pipeline rank's step is not one graph: torch's schedule calls each stage's compiled forward and
+backward once per microbatch, sends and receives activations and gradients between them, and the
+update is a compiled function of its own (``lmfunc.train.pipeline_step``). So the step is run, as
+the trainer builds it (``lmfunc.train.pipeline_run.pipeline_steps``), on fake tensors over a fake
+process group (``lmfunc.dryrun.world``):
+
+- Each function the step compiles goes through Inductor as in the run (``capture.capturing_backend``:
+  AOTAutograd, the post-grad passes, lowering, scheduling), and the graphs Inductor would compile
+  are kept; AOTAutograd's graphs then run on the fake tensors in their place, so the schedule goes on.
+- ``StepRecorder`` (a dispatch mode) counts the bytes of every tensor the step keeps between those
+  graphs (its state, the activations saved for a stage's backward, the accumulated gradients, the
+  received activations) and the collectives the eager code issues (the schedule's sends and
+  receives, the tied embedding's gradient all-reduce, the token count and metric sums).
+- Collectives and FLOPs are each captured graph's (``graph_report``) times its calls, plus the
+  eager collectives. The peak is the largest of: what the step keeps when a graph starts, plus
+  that graph's scheduled buffers (``capture.ScheduledMemory``: its working set and outputs), over
+  every call. A graph's inputs are counted live until it returns (a compiled backward frees its
+  saved activations as it goes: an upper bound by at most one microbatch's activations).
+
+torch's schedule starts with a vote between the stages, read with ``.item()``, which the fake
+backend never answers: every stage is given its shapes (``pipeline_stages.StageShapes``), so the
+vote's outcome is known (every stage static) and is set instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import Counter, defaultdict
+from typing import Iterator, Optional
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import schedules
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lmfunc.config.train import TrainConfig
+from lmfunc.dryrun.capture import CapturedStep, batch_plan, capturing_backend, fake_batch
+from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, collective_kind, collectives, flops
+from lmfunc.dryrun.world import fake_world, group_dims, mesh_of
+from lmfunc.parallel.mesh import Layout
+from lmfunc.precision import compute_dtype
+from lmfunc.train.make_optimizer import run_optimizer
+from lmfunc.train.pipeline_run import init_rank_params, pipeline_rank, pipeline_steps
+from lmfunc.train.state import TrainState
+
+EAGER_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast": "broadcast", "send": "send",
+               "recv": "recv", "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all"}
+"""torch's ``c10d`` ops (what ``torch.distributed``'s eager calls dispatch), by the collective they are."""
+
+
+def _storage_bytes(tensor: torch.Tensor) -> tuple[Optional[object], int]:
+    """(the storage that holds ``tensor``'s data, its bytes); for a DTensor its local shard's."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    storage = tensor.untyped_storage()
+    try:
+        return storage, int(storage.nbytes())
+    except (TypeError, RuntimeError):  # a size known only at run time
+        return storage, 0
+
+
+class StepRecorder(TorchDispatchMode):
+    """While active: the bytes of every tensor made outside the captured graphs and still alive
+    (``live``), the collectives issued outside them (``eager``: kind, process group, elements,
+    bytes), and every call of a captured graph with the bytes alive when it started (``calls``).
+    ``runner`` is the ``capture.GraphRunner`` that runs the captured graphs and records their calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes = WeakIdKeyDictionary()
+        self.made_by_graphs = WeakIdKeyDictionary()
+        self.kept_outside: Optional[WeakIdKeyDictionary] = None
+        self.inside = False
+        self.calls: list[tuple[int, int, frozenset]] = []
+        self.eager: list[tuple[str, str, int, int]] = []
+        self.peak_between_graphs = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while Dynamo and Inductor compile (they would refuse to trace under it), on while the
+        compiled functions run."""
+        return True
+
+    def hold(self, tree) -> None:
+        """Count every tensor in ``tree`` as alive until it is freed."""
+        for leaf in tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                storage, size = _storage_bytes(leaf)
+                self.sizes[storage] = size
+
+    def live(self) -> int:
+        return sum(self.sizes.values())
+
+    supports_higher_order_operators = True
+    """Higher-order operators (the RNG state's ``run_and_save_rng_state`` in a stage's graph) pass
+    through, uncounted: they run inside the captured graphs only."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside and not isinstance(func, torch._ops.HigherOrderOperator):
+            self._record_collective(func, args)
+            self.hold(out)
+            self.peak_between_graphs = max(self.peak_between_graphs, self.live())
+        return out
+
+    def _record_collective(self, func, args) -> None:
+        packet = func.overloadpacket
+        namespace, name = packet._qualified_op_name.split("::")
+        if namespace == "_c10d_functional" and not name.startswith("wait"):
+            kind, group = collective_kind(func), args[-1]
+        elif namespace == "c10d" and name.rstrip("_") in EAGER_KINDS:
+            kind = EAGER_KINDS[name.rstrip("_")]
+            group = dist.ProcessGroup.unbox(args[1]).group_name  # (tensors, process_group, ...)
+        else:
+            return
+        tensors = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+        elements = sum(int(t.numel()) for t in tensors)
+        self.eager.append((kind, str(group), elements, sum(int(t.numel()) * t.element_size() for t in tensors)))
+
+    def start(self) -> None:
+        """From now on the tensors alive (the state, the batch) are the caller's: a graph never
+        frees them."""
+        self.kept_outside = WeakIdKeyDictionary({storage: True for storage in self.sizes.keys()})
+
+    def _freeable(self, args: list) -> frozenset:
+        """The positions of ``args`` a compiled graph frees after their last use: tensors another
+        captured graph made (the activations a forward saved for its backward), not the caller's."""
+        positions = set()
+        for position, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                storage, _ = _storage_bytes(arg)
+                if storage in self.made_by_graphs and not (self.kept_outside and storage in self.kept_outside):
+                    positions.add(position)
+        return frozenset(positions)
+
+    def runner(self, index: int, graph: torch.fx.GraphModule):
+        def run(args: list):
+            self.calls.append((index, self.live(), self._freeable(args)))
+            self.inside = True
+            try:
+                outputs = graph(*args)
+            finally:
+                self.inside = False
+            self.hold(outputs)
+            for leaf in tree_leaves(outputs):
+                if isinstance(leaf, torch.Tensor):
+                    self.made_by_graphs[_storage_bytes(leaf)[0]] = True
+            return outputs
+
+        run._boxed_call = True
+        return run
+
+
+def _static_vote(self, stages, has_backward, p2p_done) -> None:
+    """``_PipelineSchedule._warmup_p2p``'s outcome where every stage was given its shapes."""
+    for stage in stages:
+        if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+            raise RuntimeError(f"pipeline stage {stage.stage_index} was built without its shapes: the dry run needs them")
+        stage._inference_mode = InferenceMode.STATIC
+
+
+@contextlib.contextmanager
+def _dry_run_settings() -> Iterator[None]:
+    with mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", _static_vote), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def pipeline_roles(sizes: dict[str, int], rank_of) -> list[tuple[str, int]]:
+    """The distinct roles of a pipeline of ``sizes["pp"]`` ranks: (name, global rank) of the first
+    pipeline rank, the second (the middle rank with the most microbatches in flight, when the
+    pipeline has more than two) and the last, each at the first coordinate of the other dims
+    (``rank_of(pp_index)`` is its global rank)."""
+    pp = sizes["pp"]
+    roles = [("first pipeline rank", 0)]
+    if pp > 2:
+        roles.append(("middle pipeline rank", 1))
+    roles.append(("last pipeline rank", pp - 1))
+    return [(name, rank_of(index)) for name, index in roles]
+
+
+def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
+    """The step facts of ``rank``'s pipeline train step for ``cfg`` (validated for
+    ``world_size``), compiled as ``python -m lmfunc.train`` compiles it (module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = cfg.replace(run=dataclasses.replace(cfg.run, compile=True))
+    run = cfg.run
+    sizes = cfg.parallel.sizes(world_size)
+    plan = batch_plan(cfg, world_size)
+    microbatches = plan.num_microbatches_at(0)
+    train_iters = run.train_iters if run.train_iters is not None else plan.train_iters_for_samples(run.train_samples)
+    began = time.perf_counter()
+    sink: list = []
+    recorder = StepRecorder()
+    with fake_world(world_size, rank), _dry_run_settings():
+        mesh = mesh_of(sizes)
+        pipe = pipeline_rank(cfg, Layout(dict(sizes), mesh))
+        tx, schedule = run_optimizer(cfg, plan, train_iters,
+                                     init_rank_params(cfg.model, pipe, run.seed, torch.device("meta")))
+        loss_scale = cfg.precision.loss_scaling()
+        step, _, _ = pipeline_steps(cfg, pipe, microbatches, tx, schedule, loss_scale,
+                                    compute_dtype(cfg.precision.compute_dtype), torch.device("cpu"),
+                                    backend_for=lambda options: capturing_backend(sink, options, recorder.runner))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            state = TrainState.create(init_rank_params(cfg.model, pipe, run.seed, torch.device("cpu")), tx,
+                                      seed=run.seed, loss_scale=loss_scale)
+            batch = fake_batch(cfg, microbatches, Layout(dict(sizes), None))
+            recorder.hold((state, batch))
+            recorder.start()
+            inputs = recorder.live()
+            with recorder:
+                step(state, batch)
+        names, dims_ranks = group_dims(mesh)
+        names, dims_ranks = _name_partial_groups(names, dims_ranks)
+    return _facts(sink, recorder, inputs, names, dims_ranks, sizes, rank, microbatches, time.perf_counter() - began)
+
+
+def _name_partial_groups(names: dict[str, str], dims_ranks: dict[str, list[int]]):
+    """``names`` and ``dims_ranks`` with every other process group this rank is in (the embedding
+    group: the first and last stage) named after the smallest mesh-dim group that holds it."""
+    from torch.distributed.distributed_c10d import _world
+
+    for group in list(_world.pg_names):
+        if group.group_name in names:
+            continue
+        try:
+            ranks = sorted(dist.get_process_group_ranks(group))
+        except (RuntimeError, ValueError):
+            continue
+        holders = [dims for dims, members in dims_ranks.items() if set(ranks) <= set(members)]
+        if not holders:
+            continue
+        outer = min(holders, key=lambda dims: len(dims_ranks[dims]))
+        name = f"{outer} ({len(ranks)} of its ranks)"
+        names[group.group_name] = name
+        dims_ranks[name] = ranks
+    return names, dims_ranks
+
+
+def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str], dims_ranks: dict[str, list[int]],
+           sizes: dict[str, int], rank: int, microbatches: int, seconds: float) -> StepFacts:
+    """The step facts of a recorded pipeline step whose captured graphs are ``sink``."""
+    graphs = [CapturedStep(graph, graph_inputs, scheduled, names, dims_ranks, dict(sizes), rank, microbatches, 0.0)
+              for graph, graph_inputs, scheduled in sink]
+    calls = Counter(index for index, _, _ in recorder.calls)
+    uses: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0])
+    total_flops, unknown = 0, 0
+    for index, graph in enumerate(graphs):
+        n = calls[index]
+        for use in collectives(graph):
+            entry = uses[(use.kind, use.dims)]
+            entry[0] += n * use.count
+            entry[1] = None if entry[1] is None or use.elements is None else entry[1] + n * use.elements
+            entry[2] = None if entry[2] is None or use.bytes is None else entry[2] + n * use.bytes
+        graph_flops, graph_unknown = flops(graph)
+        total_flops += n * graph_flops
+        unknown += n * graph_unknown
+    for kind, group, elements, nbytes in recorder.eager:
+        entry = uses[(kind, names.get(group, group))]
+        entry[0] += 1
+        entry[1] = None if entry[1] is None else entry[1] + elements
+        entry[2] = None if entry[2] is None else entry[2] + nbytes
+    collective_uses = [CollectiveUse(kind, dims, *entry) for (kind, dims), entry in sorted(uses.items())]
+    peak, at, largest = recorder.peak_between_graphs, "between the graphs", []
+    for call, (index, live, freeable) in enumerate(recorder.calls):
+        scheduled = graphs[index].scheduled
+        working = scheduled.peak_freeing(freeable)
+        if live + working > peak:
+            peak, at = live + working, f"call {call + 1} of {len(recorder.calls)}: captured graph {index}"
+            largest = [("kept between the graphs (state, saved activations, gradients)", live),
+                       ("the graph's own buffers at its peak", working)]
+    memory = MemoryReport(peak, inputs, at, largest[:6])
+    traced = (f"the pipeline rank's step run on fake tensors: {len(graphs)} compiled graphs captured, called "
+              f"{len(recorder.calls)} times over {microbatches} microbatches")
+    return StepFacts(collective_uses, total_flops, unknown, memory, dims_ranks, rank, seconds, traced)
