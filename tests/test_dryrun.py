@@ -103,6 +103,23 @@ def test_a_pipeline_dry_run_reports_each_stage_role():
         assert role["projection"]["bubble_seconds"] == pytest.approx(role["projection"]["compute_seconds"] / 4)
 
 
+def test_a_pipeline_dry_run_with_selective_recompute_beside_tp_counts_the_recomputed_attention():
+    """pp 2 x tp 2 with SP, selective recompute: the stages compile (their recomputed attention's saved RNG
+    state is placed before the saved mesh, ``lmfunc.compiler.saved_rng_states``), and the FLOPs on
+    the graphs are Megatron's count plus one more attention forward per layer and microbatch (the
+    recomputation: ``2 B S^2 h`` causal), the attention wrapped in AOTAutograd's RNG operators
+    counted like any other."""
+    flags = [*TINY, "--parallel.pp", "2", "--parallel.tp", "2", "--model.sequence-parallel",
+             "--model.recompute-granularity", "selective"]
+    cfg, _ = parse_config(flags, "x", "x")
+    cfg = cfg.validate(4)
+    report = dry_run([*flags, "--world-size", "4"])
+    m = cfg.model
+    recomputed = m.num_layers * 4 * 2 * 2 * 64 * 64 * m.hidden_size // 2  # per tp rank: h / 2 of the heads
+    total = sum(role["flops"] for role in report["roles"])
+    assert total == make_plan(cfg, 4).megatron.flops_per_iteration / 2 + recomputed
+
+
 @pytest.mark.slow  # two torchrun launches of compiled pipeline steps and their dry runs: about three minutes
 @pytest.mark.multirank
 @pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved-1f1b", 2)])

@@ -49,6 +49,9 @@ pytestmark = pytest.mark.multirank
     pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "2 1 0", marks=pytest.mark.slow),
     pytest.param(8, "1f1b", 0, 1, 1, 0, 0, 0, "2 2 1", marks=pytest.mark.slow),
     pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "1 2 1", marks=pytest.mark.slow),
+    # compiled stages with recompute beside tp: the saved RNG state of the recomputed attention and
+    # the saved DeviceMesh (lmfunc.compiler.saved_rng_states)
+    pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 1, "1 2 1", marks=pytest.mark.slow),
 ])
 def test_a_pipeline_trains_like_one_process(nproc, schedule, virtual, mtp, tie, fp16, compiled, recompute, mesh,
                                             request):

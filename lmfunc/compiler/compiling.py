@@ -32,6 +32,7 @@ from lmfunc.compiler.kernel_batches import batched_cpu_kernels
 from lmfunc.compiler.mesh_cache_keys import stable_mesh_cache_keys
 from lmfunc.compiler.recompute_pass import RematPass
 from lmfunc.compiler.reversed_scan import ReversedScanPass
+from lmfunc.compiler.saved_rng_states import saved_rng_states_before_opaque_objects
 from lmfunc.compiler.view_copies import SliceCopyPass
 
 
@@ -167,14 +168,16 @@ def compile_settings():
     a profiler then names each kernel but not its source lines. The kernels of a graph are built
     in a few GCC runs, many kernels to each, instead of one run per kernel
     (``lmfunc.compiler.kernel_batches``): most of a run's cost is fixed. A graph that takes a
-    ``DeviceMesh`` gets the same cache key in every process (``lmfunc.compiler.mesh_cache_keys``)."""
+    ``DeviceMesh`` gets the same cache key in every process (``lmfunc.compiler.mesh_cache_keys``),
+    and a recomputed random op's saved RNG state is placed before the saved ``DeviceMesh``
+    (``lmfunc.compiler.saved_rng_states``)."""
     with torch._functorch.config.patch(
         remat_using_tags_for_fwd_loss_bwd_graph=False, autograd_cache_allow_custom_autograd_functions=True
     ):
         with torch._inductor.config.patch({"unsafe_marked_cacheable_functions": _CACHEABLE_OPERATORS,
                                            "aot_inductor.enable_line_tables": False}):
             with inplace_reuse.inplace_reuse_despite_input_writes(), gcc_flags_for_correct_kernels(), \
-                    batched_cpu_kernels(), stable_mesh_cache_keys():
+                    batched_cpu_kernels(), stable_mesh_cache_keys(), saved_rng_states_before_opaque_objects():
                 yield
 
 

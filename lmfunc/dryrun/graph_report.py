@@ -112,11 +112,23 @@ def collective_kind(target: torch._ops.OpOverload) -> str:
 
 
 def _argument(node: fx.Node, name: str):
-    schema = node.target._schema
-    for index, argument in enumerate(schema.arguments):
+    target, args, kwargs = _call(node)
+    for index, argument in enumerate(target._schema.arguments):
         if argument.name == name:
-            return node.args[index] if index < len(node.args) else node.kwargs.get(name)
+            return args[index] if index < len(args) else kwargs.get(name)
     return None
+
+
+def _call(node: fx.Node) -> tuple:
+    """(operator, args, kwargs) that ``node`` runs: for AOTAutograd's RNG wrappers of a recomputed
+    random op (``run_and_save_rng_state(op, *args)``, ``run_with_rng_state(state, op, *args)``),
+    the wrapped op and its arguments."""
+    target, args = node.target, node.args
+    if target is torch.ops.higher_order.run_and_save_rng_state:
+        return args[0], args[1:], node.kwargs
+    if target is torch.ops.higher_order.run_with_rng_state:
+        return args[1], args[2:], node.kwargs
+    return target, args, node.kwargs
 
 
 def collectives(step: CapturedStep) -> list[CollectiveUse]:
@@ -148,7 +160,7 @@ def _attention_flops(node: fx.Node) -> Optional[object]:
     forward or backward; None for other ops), counted as Megatron counts them: the scores and the
     weighted values, ``2 B H Sq Sk (Dqk + Dv)`` in the forward and twice that in the backward, half
     of it with a causal mask (the scores above the diagonal are never needed)."""
-    target = node.target
+    target, _, _ = _call(node)
     name = getattr(target, "_opname", "")
     if not ("scaled_dot_product" in name or name.startswith(("_flash_attention", "_efficient_attention"))):
         return None
@@ -169,11 +181,14 @@ def flops(step: CapturedStep) -> tuple[int, int]:
 
     total, unknown = 0, 0
     for node, times in walk(step.graph):
-        target = node.target
+        target, args, kwargs = _call(node)
         packet = getattr(target, "overloadpacket", None)
         count = _attention_flops(node)
         if count is None and packet in flop_registry:
-            count = flop_registry[packet](*_vals(node.args), **_vals(node.kwargs), out_val=node.meta.get("val"))
+            out = node.meta.get("val")
+            if target is not node.target and isinstance(out, (tuple, list)):
+                out = out[-1]  # run_and_save_rng_state's (state, output)
+            count = flop_registry[packet](*_vals(args), **_vals(kwargs), out_val=out)
         if count is None:
             continue
         value = _concrete(count)

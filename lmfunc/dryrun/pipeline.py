@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import time
+import weakref
 from collections import Counter, defaultdict
 from typing import Iterator, Optional
 from unittest import mock
@@ -77,11 +79,14 @@ class StepRecorder(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sizes = WeakIdKeyDictionary()
+        self.sizes: dict[int, tuple[weakref.ref, int]] = {}
+        self.total = 0
         self.made_by_graphs = WeakIdKeyDictionary()
         self.kept_outside: Optional[WeakIdKeyDictionary] = None
         self.inside = False
         self.calls: list[tuple[int, int, frozenset]] = []
+        self.kept_per_call: dict[int, Counter] = {}
+        """Captured graph -> the bytes one call's new outputs hold, by the op that made each."""
         self.eager: list[tuple[str, str, int, int]] = []
         self.peak_between_graphs = 0
 
@@ -95,11 +100,25 @@ class StepRecorder(TorchDispatchMode):
         """Count every tensor in ``tree`` as alive until it is freed."""
         for leaf in tree_leaves(tree):
             if isinstance(leaf, torch.Tensor):
-                storage, size = _storage_bytes(leaf)
-                self.sizes[storage] = size
+                self._hold_storage(*_storage_bytes(leaf))
+
+    def _hold_storage(self, storage, size: int) -> None:
+        key = id(storage)
+        held = self.sizes.get(key)
+        if held is not None and held[0]() is storage:
+            return
+
+        def freed(ref, key=key, size=size) -> None:
+            if self.sizes.get(key, (None,))[0] is ref:
+                del self.sizes[key]
+                self.total -= size
+
+        self.sizes[key] = (weakref.ref(storage, freed), size)
+        self.total += size
 
     def live(self) -> int:
-        return sum(self.sizes.values())
+        """Bytes of the tensors held and not yet freed."""
+        return self.total
 
     supports_higher_order_operators = True
     """Higher-order operators (the RNG state's ``run_and_save_rng_state`` in a stage's graph) pass
@@ -130,7 +149,7 @@ class StepRecorder(TorchDispatchMode):
     def start(self) -> None:
         """From now on the tensors alive (the state, the batch) are the caller's: a graph never
         frees them."""
-        self.kept_outside = WeakIdKeyDictionary({storage: True for storage in self.sizes.keys()})
+        self.kept_outside = WeakIdKeyDictionary({ref(): True for ref, _ in self.sizes.values() if ref() is not None})
 
     def _freeable(self, args: list) -> frozenset:
         """The positions of ``args`` a compiled graph frees after their last use: tensors another
@@ -144,6 +163,8 @@ class StepRecorder(TorchDispatchMode):
         return frozenset(positions)
 
     def runner(self, index: int, graph: torch.fx.GraphModule):
+        makers = _output_makers(graph)
+
         def run(args: list):
             self.calls.append((index, self.live(), self._freeable(args)))
             self.inside = True
@@ -151,14 +172,37 @@ class StepRecorder(TorchDispatchMode):
                 outputs = graph(*args)
             finally:
                 self.inside = False
-            self.hold(outputs)
-            for leaf in tree_leaves(outputs):
+            kept: Counter = Counter()
+            for maker, leaf in zip(makers, outputs):
                 if isinstance(leaf, torch.Tensor):
-                    self.made_by_graphs[_storage_bytes(leaf)[0]] = True
+                    storage, size = _storage_bytes(leaf)
+                    held = self.sizes.get(id(storage))
+                    if held is None or held[0]() is not storage:
+                        kept[maker] += size
+                    self._hold_storage(storage, size)
+                    self.made_by_graphs[storage] = True
+            self.kept_per_call.setdefault(index, kept)
             return outputs
 
         run._boxed_call = True
         return run
+
+
+def _output_makers(graph: torch.fx.GraphModule) -> list[str]:
+    """For each output of ``graph``, the op that made it, through views, tuple items and a
+    collective's wait (``input`` for a view of an input)."""
+    output = next(iter(graph.graph.find_nodes(op="output")))
+    makers = []
+    for node in tree_leaves(output.args[0]):
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and (
+                getattr(node.target, "_opname", "") == "wait_tensor" or getattr(node.target, "is_view", False)
+                or node.target is operator.getitem):
+            node = node.args[0]
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            makers.append("input")
+        else:
+            makers.append(getattr(node.target, "_opname", None) or getattr(node.target, "__name__", str(node.target)))
+    return makers
 
 
 def _static_vote(self, stages, has_backward, p2p_done) -> None:
@@ -280,7 +324,11 @@ def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str
             peak, at = live + working, f"call {call + 1} of {len(recorder.calls)}: captured graph {index}"
             largest = [("kept between the graphs (state, saved activations, gradients)", live),
                        ("the graph's own buffers at its peak", working)]
-    memory = MemoryReport(peak, inputs, at, largest[:6])
+    if recorder.kept_per_call:
+        index, kept = max(recorder.kept_per_call.items(), key=lambda item: sum(item[1].values()))
+        largest.append((f"of what is kept, one call of captured graph {index} keeps", sum(kept.values())))
+        largest += [(f"  of it, made by {maker}", size) for maker, size in kept.most_common(3)]
+    memory = MemoryReport(peak, inputs, at, largest)
     traced = (f"the pipeline rank's step run on fake tensors: {len(graphs)} compiled graphs captured, called "
               f"{len(recorder.calls)} times over {microbatches} microbatches")
     return StepFacts(collective_uses, total_flops, unknown, memory, dims_ranks, rank, seconds, traced)

@@ -169,7 +169,7 @@ def format_report(report: RoleReport, hw: Hardware) -> str:
                  f"{report.plan_flops:.4g} ({_percent(report.flops, report.plan_flops)})"
                  + (f"; {report.flops_unknown_ops} ops of data-dependent size not counted" if report.flops_unknown_ops
                     else ""))
-    lines.append(f"  collectives of one step (group size, link, time at the link's bandwidth):")
+    lines.append("  collectives of one step (group size, link, time at the link's bandwidth):")
     for t in report.collectives:
         use = t.use
         amount = "unknown bytes (sizes known at run time)" if use.bytes is None else _gib(use.bytes)
