@@ -237,6 +237,7 @@ def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFac
     """The step facts of ``rank``'s pipeline train step for ``cfg`` (validated for
     ``world_size``), compiled as ``python -m lmfunc.train`` compiles it (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     cfg = cfg.replace(run=dataclasses.replace(cfg.run, compile=True))
     run = cfg.run
@@ -256,7 +257,7 @@ def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFac
         step, _, _ = pipeline_steps(cfg, pipe, microbatches, tx, schedule, loss_scale,
                                     compute_dtype(cfg.precision.compute_dtype), torch.device("cpu"),
                                     backend_for=lambda options: capturing_backend(sink, options, recorder.runner))
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):  # .item() in a graph: a symbol
             state = TrainState.create(init_rank_params(cfg.model, pipe, run.seed, torch.device("cpu")), tx,
                                       seed=run.seed, loss_scale=loss_scale)
             batch = fake_batch(cfg, microbatches, Layout(dict(sizes), None))
