@@ -251,15 +251,16 @@ def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFac
     with fake_world(world_size, rank), _dry_run_settings():
         mesh = mesh_of(sizes)
         pipe = pipeline_rank(cfg, Layout(dict(sizes), mesh))
-        tx, schedule = run_optimizer(cfg, plan, train_iters,
-                                     init_rank_params(cfg.model, pipe, run.seed, torch.device("meta")))
+        fake = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())  # .item() in a graph: a symbol
+        with fake:  # leaves drawn on the CPU would be allocated whole before they are sharded
+            params = init_rank_params(cfg.model, pipe, run.seed, torch.device("cpu"))
+        tx, schedule = run_optimizer(cfg, plan, train_iters, params)
         loss_scale = cfg.precision.loss_scaling()
         step, _, _ = pipeline_steps(cfg, pipe, microbatches, tx, schedule, loss_scale,
                                     compute_dtype(cfg.precision.compute_dtype), torch.device("cpu"),
                                     backend_for=lambda options: capturing_backend(sink, options, recorder.runner))
-        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):  # .item() in a graph: a symbol
-            state = TrainState.create(init_rank_params(cfg.model, pipe, run.seed, torch.device("cpu")), tx,
-                                      seed=run.seed, loss_scale=loss_scale)
+        with fake:
+            state = TrainState.create(params, tx, seed=run.seed, loss_scale=loss_scale)
             batch = fake_batch(cfg, microbatches, Layout(dict(sizes), None))
             recorder.hold((state, batch))
             recorder.start()
