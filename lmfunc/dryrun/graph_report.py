@@ -173,10 +173,24 @@ def _attention_flops(node: fx.Node) -> Optional[object]:
     return forward * (2 if "backward" in name else 1) / (2 if causal else 1)
 
 
+def _grouped_mm_flops(node: fx.Node) -> Optional[object]:
+    """FLOPs of lmfunc's expert matmuls (``lmfunc.model.moe``; None for other ops):
+    ``grouped_mm(rows [T, K], weights [E, K, N])`` and ``grouped_mm_weight_grad(rows [T, K],
+    grad [T, N])`` each multiply every row once: ``2 T K N``. ``T``, the rows routed to this rank's
+    experts, is known only at run time under expert parallelism (a symbol: counted as unknown)."""
+    name = getattr(node.target, "name", lambda: "")() if isinstance(node.target, torch._ops.OpOverload) else ""
+    if name not in ("lmfunc::grouped_mm", "lmfunc::grouped_mm_weight_grad"):
+        return None
+    rows, other = (node.args[0].meta["val"].shape, node.args[1].meta["val"].shape)
+    width = other[-1] if name == "lmfunc::grouped_mm" else other[1]
+    return 2 * rows[0] * rows[1] * width
+
+
 def flops(step: CapturedStep) -> tuple[int, int]:
     """(FLOPs of one step on this rank, number of ops whose FLOPs depend on sizes known only at run
     time and are left out). Matmuls and convolutions by torch's formulas
-    (``torch.utils.flop_counter``), fused attention by ``_attention_flops``."""
+    (``torch.utils.flop_counter``), fused attention by ``_attention_flops``, the experts' grouped
+    matmuls by ``_grouped_mm_flops``."""
     from torch.utils.flop_counter import flop_registry
 
     total, unknown = 0, 0
@@ -184,6 +198,8 @@ def flops(step: CapturedStep) -> tuple[int, int]:
         target, args, kwargs = _call(node)
         packet = getattr(target, "overloadpacket", None)
         count = _attention_flops(node)
+        if count is None:
+            count = _grouped_mm_flops(node)
         if count is None and packet in flop_registry:
             out = node.meta.get("val")
             if target is not node.target and isinstance(out, (tuple, list)):
