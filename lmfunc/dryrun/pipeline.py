@@ -105,8 +105,10 @@ class StepRecorder(TorchDispatchMode):
     def _hold_storage(self, storage, size: int) -> None:
         key = id(storage)
         held = self.sizes.get(key)
-        if held is not None and held[0]() is storage:
-            return
+        if held is not None:
+            if held[0]() is storage:
+                return
+            self.total -= held[1]  # a freed storage whose id was reused
 
         def freed(ref, key=key, size=size) -> None:
             if self.sizes.get(key, (None,))[0] is ref:
