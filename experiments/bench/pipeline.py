@@ -183,11 +183,9 @@ def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, tim
     held = peak = 0
     if memory:
         state, held, peak = _step_memory(step, state, batch)
-    sent = {}
-    if json_path:
-        sent = step_collectives_and_p2p(lambda: step(state, batch))
     all_sent = [None] * pp
-    dist.all_gather_object(all_sent, sent)
+    if json_path:
+        dist.all_gather_object(all_sent, step_collectives_and_p2p(lambda: step(state, batch)))
     mine = torch.tensor([sum(fractions) / len(fractions), sum(busy_ms) / len(busy_ms), sum(step_ms) / len(step_ms),
                          float(sends[-1]), sum(schedule_ms) / len(schedule_ms), float(held), float(peak)],
                         dtype=torch.float64)

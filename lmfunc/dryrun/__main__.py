@@ -19,10 +19,10 @@ CPU (fake tensors on a fake process group: nothing is allocated or sent), and re
 peak memory, collectives (kind, mesh dims, count, bytes), FLOPs and a projected step time and MFU,
 beside lmfunc.plan's numbers. A layout that does not fit in the GPU's memory is refused (exit 2),
 as is every configuration the run would refuse at start-up. With pipeline parallelism each role is
-traced: the first, a middle (the second) and the last pipeline rank. The target, besides the training flags below: --world-size N (default: the
-product of the parallel sizes), --gpus-per-node (8), --gpu h100|h200 (h100; SXM), --peak-tflops,
---gpu-memory-gib, --nvlink-gbps, --network-gbps (override the GPU's numbers), --json PATH (the
-report as JSON)."""
+traced: the first, a middle (the second) and the last pipeline rank. The target, besides the
+training flags below: --world-size N (default: the product of the parallel sizes),
+--gpus-per-node (8), --gpu h100|h200 (h100; SXM), --peak-tflops, --gpu-memory-gib, --nvlink-gbps,
+--network-gbps (override the GPU's numbers), --json PATH (the report as JSON)."""
 
 TARGET_OPTIONS = [
     ("--world-size", dict(type=int, default=None)),
@@ -75,8 +75,8 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
     else:
         microbatches = batch_plan(cfg, world).num_microbatches_at(0)
         bubble = (sizes["pp"] - 1) / ((cfg.parallel.virtual_stages or 1) * microbatches)
-        for name, rank in pipeline_roles(sizes, lambda index: index * (world // sizes["pp"])):
-            rank_plan = predict_pipeline_rank(cfg, sizes, rank // (world // sizes["pp"]))
+        for name, pipeline_index, rank in pipeline_roles(sizes, world):
+            rank_plan = predict_pipeline_rank(cfg, sizes, pipeline_index)
             reports.append(role_report(name, trace_pipeline_rank(cfg, world, rank), hw,
                                        rank_plan.peak if rank_plan else None, even_share, bubble))
     for report in reports:

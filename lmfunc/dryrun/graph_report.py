@@ -178,7 +178,7 @@ def _grouped_mm_flops(node: fx.Node) -> Optional[object]:
     ``grouped_mm(rows [T, K], weights [E, K, N])`` and ``grouped_mm_weight_grad(rows [T, K],
     grad [T, N])`` each multiply every row once: ``2 T K N``. ``T``, the rows routed to this rank's
     experts, is known only at run time under expert parallelism (a symbol: counted as unknown)."""
-    name = getattr(node.target, "name", lambda: "")() if isinstance(node.target, torch._ops.OpOverload) else ""
+    name = node.target.name() if isinstance(node.target, torch._ops.OpOverload) else ""
     if name not in ("lmfunc::grouped_mm", "lmfunc::grouped_mm_weight_grad"):
         return None
     rows, other = (node.args[0].meta["val"].shape, node.args[1].meta["val"].shape)

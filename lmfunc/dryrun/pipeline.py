@@ -102,12 +102,13 @@ class StepRecorder(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 self._hold_storage(*_storage_bytes(leaf))
 
-    def _hold_storage(self, storage, size: int) -> None:
+    def _hold_storage(self, storage, size: int) -> bool:
+        """Count ``storage`` (``size`` bytes) as alive until it is freed; whether it was new."""
         key = id(storage)
         held = self.sizes.get(key)
         if held is not None:
             if held[0]() is storage:
-                return
+                return False
             self.total -= held[1]  # a freed storage whose id was reused
 
         def freed(ref, key=key, size=size) -> None:
@@ -117,6 +118,7 @@ class StepRecorder(TorchDispatchMode):
 
         self.sizes[key] = (weakref.ref(storage, freed), size)
         self.total += size
+        return True
 
     def live(self) -> int:
         """Bytes of the tensors held and not yet freed."""
@@ -178,10 +180,8 @@ class StepRecorder(TorchDispatchMode):
             for maker, leaf in zip(makers, outputs):
                 if isinstance(leaf, torch.Tensor):
                     storage, size = _storage_bytes(leaf)
-                    held = self.sizes.get(id(storage))
-                    if held is None or held[0]() is not storage:
+                    if self._hold_storage(storage, size):
                         kept[maker] += size
-                    self._hold_storage(storage, size)
                     self.made_by_graphs[storage] = True
             self.kept_per_call.setdefault(index, kept)
             return outputs
@@ -222,17 +222,17 @@ def _dry_run_settings() -> Iterator[None]:
         yield
 
 
-def pipeline_roles(sizes: dict[str, int], rank_of) -> list[tuple[str, int]]:
-    """The distinct roles of a pipeline of ``sizes["pp"]`` ranks: (name, global rank) of the first
-    pipeline rank, the second (the middle rank with the most microbatches in flight, when the
-    pipeline has more than two) and the last, each at the first coordinate of the other dims
-    (``rank_of(pp_index)`` is its global rank)."""
+def pipeline_roles(sizes: dict[str, int], world_size: int) -> list[tuple[str, int, int]]:
+    """The distinct roles of a pipeline of ``sizes["pp"]`` ranks: (name, pipeline rank, global rank)
+    of the first pipeline rank, the second (the middle rank with the most microbatches in flight,
+    when the pipeline has more than two) and the last, each at the first coordinate of the other
+    dims (``pp`` is the mesh's outermost dim)."""
     pp = sizes["pp"]
     roles = [("first pipeline rank", 0)]
     if pp > 2:
         roles.append(("middle pipeline rank", 1))
     roles.append(("last pipeline rank", pp - 1))
-    return [(name, rank_of(index)) for name, index in roles]
+    return [(name, index, index * (world_size // pp)) for name, index in roles]
 
 
 def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
@@ -270,30 +270,7 @@ def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFac
             with recorder:
                 step(state, batch)
         names, dims_ranks = group_dims(mesh)
-        names, dims_ranks = _name_partial_groups(names, dims_ranks)
     return _facts(sink, recorder, inputs, names, dims_ranks, sizes, rank, microbatches, time.perf_counter() - began)
-
-
-def _name_partial_groups(names: dict[str, str], dims_ranks: dict[str, list[int]]):
-    """``names`` and ``dims_ranks`` with every other process group this rank is in (the embedding
-    group: the first and last stage) named after the smallest mesh-dim group that holds it."""
-    from torch.distributed.distributed_c10d import _world
-
-    for group in list(_world.pg_names):
-        if group.group_name in names:
-            continue
-        try:
-            ranks = sorted(dist.get_process_group_ranks(group))
-        except (RuntimeError, ValueError):
-            continue
-        holders = [dims for dims, members in dims_ranks.items() if set(ranks) <= set(members)]
-        if not holders:
-            continue
-        outer = min(holders, key=lambda dims: len(dims_ranks[dims]))
-        name = f"{outer} ({len(ranks)} of its ranks)"
-        names[group.group_name] = name
-        dims_ranks[name] = ranks
-    return names, dims_ranks
 
 
 def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str], dims_ranks: dict[str, list[int]],
@@ -303,22 +280,23 @@ def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str
               for graph, graph_inputs, scheduled in sink]
     calls = Counter(index for index, _, _ in recorder.calls)
     uses: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0])
+
+    def add(key: tuple[str, str], times: int, count: int, elements: Optional[int], nbytes: Optional[int]) -> None:
+        entry = uses[key]
+        entry[0] += times * count
+        for slot, amount in ((1, elements), (2, nbytes)):  # None: known only at run time
+            entry[slot] = None if entry[slot] is None or amount is None else entry[slot] + times * amount
+
     total_flops, unknown = 0, 0
     for index, graph in enumerate(graphs):
         n = calls[index]
         for use in collectives(graph):
-            entry = uses[(use.kind, use.dims)]
-            entry[0] += n * use.count
-            entry[1] = None if entry[1] is None or use.elements is None else entry[1] + n * use.elements
-            entry[2] = None if entry[2] is None or use.bytes is None else entry[2] + n * use.bytes
+            add((use.kind, use.dims), n, use.count, use.elements, use.bytes)
         graph_flops, graph_unknown = flops(graph)
         total_flops += n * graph_flops
         unknown += n * graph_unknown
     for kind, group, elements, nbytes in recorder.eager:
-        entry = uses[(kind, names.get(group, group))]
-        entry[0] += 1
-        entry[1] = None if entry[1] is None else entry[1] + elements
-        entry[2] = None if entry[2] is None else entry[2] + nbytes
+        add((kind, names.get(group, group)), 1, 1, elements, nbytes)
     collective_uses = [CollectiveUse(kind, dims, *entry) for (kind, dims), entry in sorted(uses.items())]
     peak, at, largest = recorder.peak_between_graphs, "between the graphs", []
     for call, (index, live, freeable) in enumerate(recorder.calls):

@@ -49,8 +49,9 @@ def mesh_of(sizes: dict[str, int]) -> Optional[DeviceMesh]:
 
 def group_dims(mesh: Optional[DeviceMesh]) -> tuple[dict[str, str], dict[str, list[int]]]:
     """Each process group this rank can use in a step, by name: the mesh dims it spans joined by
-    ``+`` (``dp_shard+tp``), or ``world``; and the ranks of each. A group over no set of mesh dims
-    is left out."""
+    ``+`` (``dp_shard+tp``), or ``world``; a group over part of such a set (a pipeline's embedding
+    group) is named after the smallest one that holds it, ``pp (2 of its ranks)``; and the ranks of
+    each."""
     names: dict[str, str] = {}
     world = list(range(dist.get_world_size()))
     if mesh is None:
@@ -64,6 +65,7 @@ def group_dims(mesh: Optional[DeviceMesh]) -> tuple[dict[str, str], dict[str, li
         by_ranks[frozenset(mesh.mesh[index].flatten().tolist())] = "+".join(spanned)
     from torch.distributed.distributed_c10d import _world
 
+    dims_ranks = {dims: sorted(members) for members, dims in by_ranks.items()} | {"world": world}
     for group in list(_world.pg_names):
         try:
             ranks = frozenset(dist.get_process_group_ranks(group))
@@ -71,6 +73,11 @@ def group_dims(mesh: Optional[DeviceMesh]) -> tuple[dict[str, str], dict[str, li
             continue
         if ranks in by_ranks:
             names.setdefault(group.group_name, by_ranks[ranks])
+            continue
+        holders = [dims for dims, members in dims_ranks.items() if ranks <= set(members)]
+        if holders:  # e.g. a pipeline's embedding group: its first and last stage
+            outer = min(holders, key=lambda dims: len(dims_ranks[dims]))
+            name = f"{outer} ({len(ranks)} of its ranks)"
+            names[group.group_name], dims_ranks[name] = name, sorted(ranks)
     names.setdefault(dist.group.WORLD.group_name, "world")
-    ranks = {dims: sorted(members) for members, dims in by_ranks.items()} | {"world": world}
-    return names, ranks
+    return names, dims_ranks
