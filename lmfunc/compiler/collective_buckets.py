@@ -79,9 +79,9 @@ def _region(node: fx.Node) -> Optional[str]:
     return custom.get(REGION_KEY) if isinstance(custom, dict) else None
 
 
-def _gathered_placeholder(all_gather: fx.Node) -> Optional[fx.Node]:
+def gathered_placeholder(all_gather: fx.Node) -> Optional[fx.Node]:
     """The graph input an all-gather gathers, through single-input ops (casts, views), or None
-    (an activation's all-gather)."""
+    (an activation's all-gather): a parameter's FSDP gather when that input is a parameter."""
     x = all_gather.args[0]
     while isinstance(x, fx.Node) and x.op == "call_function" and len(x.all_input_nodes) == 1:
         x = x.all_input_nodes[0]
@@ -350,10 +350,10 @@ def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
     all_gathers = [n for n in nodes if is_all_gather_into_tensor(n)]
     regions: dict[fx.Node, str] = {}
     for node in all_gathers:
-        source, region = _gathered_placeholder(node), _region(node)
+        source, region = gathered_placeholder(node), _region(node)
         if source is not None and region is not None:
             regions.setdefault(source, region)
-    fsdp_gathers = [(n, _region(n)) for n in all_gathers if _gathered_placeholder(n) in regions]
+    fsdp_gathers = [(n, _region(n)) for n in all_gathers if gathered_placeholder(n) in regions]
     gather_buckets = []
     for run in _runs(fsdp_gathers):
         if len(run) > 1:

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lmfunc.compiler.compiling import with_own_code
+from lmfunc.compiler.regather import stage_inductor_options
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import PipelineSplit
 from lmfunc.loss import LossOutput
@@ -31,7 +32,8 @@ class StageModule(nn.Module):
     tensors each step) and ``stage_forward``; on the last stage also the loss, whose per-microbatch
     ``LossOutput`` it records for the step's metrics, as it records its MoE layers' ``RouterStats``
     (``router_stats``, for its ``moe_layers``). With ``compile`` the stage's function is
-    compiled (``torch.compile``, Inductor or ``backend``): AOTAutograd compiles its backward with it.
+    compiled (``torch.compile``, Inductor or ``backend``): AOTAutograd compiles its backward with it,
+    and Inductor gathers FSDP-sharded parameters again in the backward (``lmfunc.compiler.regather``).
 
     On a ``data_mesh`` (the data- and tensor-parallel dims of this pipeline rank) the leaves are
     DTensors and the stage takes and returns plain local tensors, this rank's part of each
@@ -56,7 +58,9 @@ class StageModule(nn.Module):
         self.grad_scale: Optional[torch.Tensor] = None
         self.run = self._run
         if compile:
-            self.run = torch.compile(with_own_code(_stage_function(self)), fullgraph=True, dynamic=False, backend=backend)
+            options = stage_inductor_options() if backend == "inductor" else None
+            self.run = torch.compile(with_own_code(_stage_function(self)), fullgraph=True, dynamic=False,
+                                     backend=backend, options=options)
 
     def bind(self, params: PyTree, grad_scale: Optional[torch.Tensor] = None) -> None:
         """Use ``params`` (this stage's subtree) for the next step, whose objective is multiplied by
@@ -97,7 +101,7 @@ class StageModule(nn.Module):
         ``RouterStats`` fields stacked over those layers (``stage_moe_layers`` order)."""
         params = cast_params(tree_unflatten_as(self.template, weights), self.compute_dtype)
         dropout_seed = seed[0] if seed.numel() else None
-        mesh = self.data_mesh
+        mesh = _leaves_mesh(weights, self.data_mesh)
         if mesh is not None:
             batch_placements, hidden_placements = stage_placements(mesh, self.cfg.sequence_parallel)
             x = DTensor.from_local(x, mesh, batch_placements if self.split.holds_embedding(self.stage)
@@ -125,6 +129,22 @@ class StageModule(nn.Module):
         # the fields are metrics only: detached, so a compiled stage's backward needs no tangent for them
         loss_fields = (field.detach() for field in out[:4])
         return (value, *loss_fields, *_router_fields(stats + ([out.router] if out.router is not None else [])))
+
+
+def _leaves_mesh(weights: list, data_mesh: Optional[DeviceMesh]) -> Optional[DeviceMesh]:
+    """The mesh object the stage's DTensor leaves live on when it is ``data_mesh``'s layout, else
+    ``data_mesh``. The stage makes its batch and hidden states DTensors on it: on the leaves' own
+    object, every DTensor the compiled stage returns (the last stage's loss metrics) is on a mesh
+    the graph takes as input. On another object (an equal one: the trainer builds the state's mesh
+    and the step's separately), torch 2.13 may return the metrics' mesh through
+    ``device_mesh._get_submesh``, which Inductor cannot lower: the trainer's compiled last stage
+    beside dp_shard failed so at its first step (``tests/test_train_pipeline.py``)."""
+    if data_mesh is None:
+        return None
+    for weight in weights:
+        if isinstance(weight, DTensor) and weight.device_mesh.mesh_dim_names == data_mesh.mesh_dim_names:
+            return weight.device_mesh
+    return data_mesh
 
 
 @dataclass(frozen=True)

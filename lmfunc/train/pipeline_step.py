@@ -59,6 +59,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from lmfunc.config.model import ModelConfig
 from lmfunc.config.pipeline import SCHEDULES, SPLIT_BACKWARD, PipelineSplit, check_schedule_model
 from lmfunc.compiler.compiling import compile_settings, compile_step, inductor_options, retained_backward_settings
+from lmfunc.compiler.regather import stage_inductor_options
 from lmfunc.loss import lm_loss_of_hidden
 from lmfunc.optim import GradientTransformation
 from lmfunc.optim.transforms import Schedule
@@ -78,8 +79,6 @@ from lmfunc.tree import PyTree, flatten_with_paths, tree_unflatten_as
 BackendFor = Callable[[dict], Callable]
 """``backend_for(options)``: the Dynamo backend to compile a function with, given the Inductor
 options lmfunc would compile it with."""
-STAGE_INDUCTOR_OPTIONS: dict = {}
-"""The stages compile with Inductor's own options (under ``compile_settings``)."""
 
 
 def make_pipeline_train_step(
@@ -312,7 +311,7 @@ def _build_schedule(params: PyTree, cfg: ModelConfig, split: PipelineSplit, sche
     for stage in my_stages:
         modules[stage] = StageModule(stage_params(params, cfg, split, stage), cfg, split, stage, compute_dtype,
                                       objective, compile, data_mesh, split_backward=schedule in SPLIT_BACKWARD,
-                                      backend=backend_for(STAGE_INDUCTOR_OPTIONS) if backend_for else "inductor")
+                                      backend=backend_for(stage_inductor_options()) if backend_for else "inductor")
     stages = [pipelining.PipelineStage(modules[s], s, split.num_stages, device, group=group,
                                        input_args=shapes.inputs(split, s),
                                        output_args=shapes.outputs(split, s)) for s in my_stages]

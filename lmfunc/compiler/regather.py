@@ -1,0 +1,89 @@
+"""All-gathers made again in the backward of a compiled function that AOTAutograd partitions.
+
+A compiled pipeline stage is one forward graph and one backward graph, split from the joint graph
+by AOTAutograd's partitioner, which saves every collective's result for the backward unless the
+collective is tagged for recompute (torch 2.13's ``force_save_collectives``). Two all-gathers of
+the forward have results the backward reads again:
+- on a ``dp_shard`` mesh, each parameter's FSDP gather (the input gradient's matmul reads the
+  whole parameter);
+- with sequence parallelism, each layer's input gathered over ``tp`` to the whole sequence (the
+  weight gradient's matmul reads it).
+Saved, each microbatch in flight kept its stage's gathered parameters and its layers' gathered
+inputs until its backward: under 1F1B the first pipeline rank holds ``pp`` microbatches, so ``pp``
+such copies. FSDP (torch's ``reshard_after_forward``, Megatron's) and Megatron's sequence-parallel
+linear layers keep the shards instead and gather again in the backward.
+
+``RegatherPass`` is an Inductor ``joint_custom_post_pass`` that makes the partitioner do the
+same: it tags each all-gather of the forward and its wait with ``CheckpointPolicy.MUST_RECOMPUTE``
+(with a parameter's gather also the casts and views between the parameter and the gather), so
+the backward gathers the shards again and only the shards are kept. A gather copies the same
+shards both times, so the values are the same. It costs one more all-gather per microbatch of
+each gathered value the backward reads, as FSDP's and Megatron's do, which the backward can
+overlap with its compute.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_wait_tensor
+from torch.utils.checkpoint import CheckpointPolicy
+
+from lmfunc.compiler import collective_buckets
+from lmfunc.compiler.collective_buckets import gathered_placeholder
+
+TANGENT_PREFIX = "tangents"
+"""The names of a joint graph's placeholders that hold the outputs' gradients."""
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The joint graph's nodes that depend on an output's gradient (its backward)."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith(TANGENT_PREFIX)) or \
+                any(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _gather_chain(all_gather: fx.Node) -> list[fx.Node]:
+    """The all-gather and its waits, after the single-input ops (casts, views) between a parameter
+    and its gather when it gathers a parameter."""
+    chain = []
+    if gathered_placeholder(all_gather) is not None:
+        x = all_gather.args[0]
+        while isinstance(x, fx.Node) and x.op == "call_function":
+            chain.append(x)
+            x = x.all_input_nodes[0]
+    return [*chain, all_gather, *(user for user in all_gather.users if is_wait_tensor(user))]
+
+
+def tag_forward_gathers(graph: fx.Graph) -> int:
+    """Tag every all-gather of the joint ``graph``'s forward (with its wait, and for a parameter
+    what leads to it) ``MUST_RECOMPUTE``; returns how many all-gathers were tagged."""
+    backward = _backward_nodes(graph)
+    count = 0
+    for node in list(graph.nodes):
+        if is_all_gather_into_tensor(node) and node not in backward:
+            for link in _gather_chain(node):
+                link.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            count += 1
+    return count
+
+
+class RegatherPass(CustomGraphPass):
+    """``tag_forward_gathers`` as an Inductor ``joint_custom_post_pass`` (it runs on the joint
+    graph before AOTAutograd's partitioner). Its ``uuid`` hashes this module and the parameter test
+    it reads, so compile caches made under another version are not reused."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        tag_forward_gathers(graph)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__, collective_buckets.__file__))
+
+
+def stage_inductor_options() -> dict[str, object]:
+    """The Inductor options a compiled pipeline stage is compiled with: its forward's all-gathers
+    made again in its backward (``RegatherPass``)."""
+    return {"joint_custom_post_pass": RegatherPass()}
