@@ -103,6 +103,20 @@ def test_a_pipeline_dry_run_reports_each_stage_role():
         assert role["projection"]["bubble_seconds"] == pytest.approx(role["projection"]["compute_seconds"] / 4)
 
 
+def test_tensor_parallel_without_sp_computes_megatrons_flops_on_the_shards():
+    """tp 2 without sequence parallelism, compiled: the step's FLOPs are Megatron's count for one tp
+    rank exactly, and tp's only collectives are all-reduces (Megatron's ``f`` and ``g`` and the
+    vocab-parallel loss's). When the gradient of a column-parallel input stayed a partial sum in
+    the compiled backward, every row-parallel weight was all-gathered and multiplied whole: 18%
+    more FLOPs, with all-gathers and reduce-scatters over tp."""
+    flags = [*TINY, "--run.global-batch-size", "2", "--parallel.tp", "2"]
+    cfg, _ = parse_config(flags, "x", "x")
+    cfg = cfg.validate(2)
+    (role,) = dry_run([*flags, "--world-size", "2"])["roles"]
+    assert role["flops"] == make_plan(cfg, 2).megatron.flops_per_iteration / 2
+    assert {c["kind"] for c in role["collectives"] if c["dims"] == "tp"} == {"all_reduce"}
+
+
 def test_compiled_stages_beside_dp_shard_gather_their_weights_again_in_the_backward():
     """pp 2 x dp_shard 2, 1F1B: each microbatch's forward all-gathers every parameter use whose
     gradient it reduce-scatters, and its backward gathers again those its input gradient reads
