@@ -103,6 +103,16 @@ def test_a_pipeline_dry_run_reports_each_stage_role():
         assert role["projection"]["bubble_seconds"] == pytest.approx(role["projection"]["compute_seconds"] / 4)
 
 
+def test_a_v_schedules_bubble_counts_its_two_stages_per_rank():
+    """zbv on pp 2 holds two stages per rank (a V): Megatron's bubble ``(pp - 1) / (v m)`` with v = 2
+    and 4 microbatches is an eighth of the compute, on both ranks."""
+    report = dry_run([*TINY, "--parallel.pp", "2", "--world-size", "2", "--parallel.pp-schedule", "zbv",
+                      "--model.num-layers", "4"])
+    for role in report["roles"]:
+        projection = role["projection"]
+        assert projection["bubble_seconds"] == pytest.approx(projection["compute_seconds"] / 8)
+
+
 def test_tensor_parallel_without_sp_computes_megatrons_flops_on_the_shards():
     """tp 2 without sequence parallelism, compiled: the step's FLOPs are Megatron's count for one tp
     rank exactly, and tp's only collectives are all-reduces (Megatron's ``f`` and ``g`` and the

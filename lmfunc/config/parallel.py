@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lmfunc.config.model import ConfigError, ModelConfig
+from lmfunc.config.pipeline import PipelineSplit, pipeline_split
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 """Mesh dim names, outermost first (Megatron's order read backwards: tp is the fastest). ``ep`` is
@@ -156,6 +157,13 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """Data-parallel ranks: ``dp_replicate x dp_shard`` (the ep ranks among them)."""
         return data_parallel_size(self.sizes(world_size))
+
+    def pipeline_split(self, num_layers: int, pp: Optional[int] = None) -> PipelineSplit:
+        """The ``PipelineSplit`` of ``num_layers`` layers over ``pp`` pipeline ranks (``self.pp``
+        when None: give the resolved size where ``pp`` may be -1) by this config's schedule,
+        virtual stages and first/last stage layers."""
+        return pipeline_split(num_layers, self.pp if pp is None else pp, self.pp_schedule, self.virtual_stages,
+                              self.pp_first_stage_layers, self.pp_last_stage_layers)
 
 
 def data_parallel_size(sizes: dict[str, int]) -> int:

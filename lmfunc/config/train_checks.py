@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lmfunc.config.model import ConfigError, ModelConfig, unbuildable_features
 from lmfunc.config.parallel import ParallelConfig, check_divisibility
-from lmfunc.config.pipeline import check_microbatches, check_schedule_model, pipeline_split
+from lmfunc.config.pipeline import check_microbatches, check_schedule_model
 from lmfunc.config.sections import CheckpointConfig, DataConfig, LogConfig, OptimConfig, PrecisionConfig, RunConfig, \
     schedule_lengths
 
@@ -129,8 +129,7 @@ def validate_pipeline(model: ModelConfig, parallel: ParallelConfig, run: RunConf
         return
     _require(p.pp > 1, "parallel.virtual_stages / pp_first_stage_layers / pp_last_stage_layers split a pipeline: "
                        "set --parallel.pp to 2 or more, or drop them")
-    split = pipeline_split(model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
-                           p.pp_last_stage_layers)
+    split = p.pipeline_split(model.num_layers)
     check_schedule_model(p.pp_schedule, model.tie_embeddings, model.mtp_num_layers, run.compile)
     _require(run.rampup_batch_size is None,
              f"run.rampup_batch_size ({run.rampup_batch_size}) with parallel.pp = {p.pp}: a pipeline schedule is "

@@ -74,7 +74,8 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
                                    plan.lmfunc.peak if plan.lmfunc else None, even_share))
     else:
         microbatches = batch_plan(cfg, world).num_microbatches_at(0)
-        bubble = (sizes["pp"] - 1) / ((cfg.parallel.virtual_stages or 1) * microbatches)
+        stages_per_rank = cfg.parallel.pipeline_split(cfg.model.num_layers, sizes["pp"]).stages_per_rank
+        bubble = (sizes["pp"] - 1) / (stages_per_rank * microbatches)
         for name, pipeline_index, rank in pipeline_roles(sizes, world):
             rank_plan = predict_pipeline_rank(cfg, sizes, pipeline_index)
             reports.append(role_report(name, trace_pipeline_rank(cfg, world, rank), hw,

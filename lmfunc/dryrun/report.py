@@ -8,7 +8,7 @@ The projection (an upper bound on MFU: compute runs at the datasheet peak):
   ``2 (n - 1) / n``), at NVLink bandwidth when every rank of its group is on one node, else at the
   network's (per GPU);
 - pipeline bubble: with pipeline parallelism, Megatron's bubble fraction ``(pp - 1) / (v m)`` of the
-  compute (``v`` virtual stages, ``m`` microbatches) is added (idle time; the zero-bubble schedules
+  compute (``v`` stages per rank: the virtual stages, 2 for the V schedules; ``m`` microbatches) is added (idle time; the zero-bubble schedules
   idle less); a stage's sends are on the critical path (a receive is its sender's send);
 - overlap: the data-parallel collectives (parameter gathers, gradient reductions: groups over
   ``dp_replicate``/``dp_shard`` only), which lmfunc buckets and issues ahead of the compute that

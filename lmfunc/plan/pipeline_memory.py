@@ -35,7 +35,7 @@ import math
 from typing import Optional
 
 from lmfunc.config.parallel import data_parallel_size
-from lmfunc.config.pipeline import PipelineSplit, pipeline_split
+from lmfunc.config.pipeline import PipelineSplit
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
 from lmfunc.model.stages import rank_params
@@ -89,8 +89,7 @@ def predict_pipeline_rank(cfg: TrainConfig, sizes: dict[str, int], rank: int) ->
     """The peak step memory of pipeline rank ``rank`` (module docstring); None when the schedule is
     not predicted."""
     p, m = cfg.parallel, cfg.model
-    split = pipeline_split(m.num_layers, sizes["pp"], p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
-                           p.pp_last_stage_layers)
+    split = p.pipeline_split(m.num_layers, sizes["pp"])
     data_parallel = data_parallel_size(sizes)
     microbatches = cfg.run.global_batch_size // (cfg.run.micro_batch_size * data_parallel)
     chunks = chunks_in_flight(p.pp_schedule, split, microbatches, rank)

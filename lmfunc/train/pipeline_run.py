@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lmfunc.config.model import ModelConfig
-from lmfunc.config.pipeline import PipelineSplit, pipeline_split
+from lmfunc.config.pipeline import PipelineSplit
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
 from lmfunc.parallel.mesh import Layout
@@ -49,8 +49,7 @@ def pipeline_rank(cfg: TrainConfig, layout: Layout) -> Optional[PipelineRank]:
     if layout.sizes["pp"] == 1:
         return None
     p = cfg.parallel
-    split = pipeline_split(cfg.model.num_layers, p.pp, p.pp_schedule, p.virtual_stages, p.pp_first_stage_layers,
-                           p.pp_last_stage_layers)
+    split = p.pipeline_split(cfg.model.num_layers)
     others = tuple(name for name in layout.dims() if name != "pp")
     return PipelineRank(split, p.pp_schedule, layout.mesh.get_group("pp"), layout.mesh.get_local_rank("pp"),
                         layout.mesh, layout.mesh[others] if others else None)
