@@ -190,17 +190,18 @@ def test_a_pipeline_dry_run_equals_the_measured_run(schedule, virtual, tmp_path)
 
 
 @pytest.mark.slow  # two MoE traces: about 40 seconds
-def test_the_experts_matmuls_are_counted_and_said_unknown_where_their_sizes_are():
+def test_the_experts_matmuls_are_counted_on_one_rank_and_at_an_even_share_under_expert_parallelism():
     """The experts' grouped matmuls (``lmfunc::grouped_mm`` and its weight gradient) count: on one
     rank the MoE step's FLOPs are Megatron's count within 1% (the router's matmul is the rest);
-    under expert parallelism the rows each rank's experts get are known only at run time, and the
-    report says how many such ops it left out."""
+    under expert parallelism the rows each rank's experts get are known only at run time: taken at
+    an even share of the tokens (``capture.even_expert_share``), the step's FLOPs are Megatron's
+    even share within 1% too, and the report says how many ops it sized so."""
     moe = ["--preset", "moe-small", "--run.micro-batch-size", "2", "--run.global-batch-size", "4",
            "--data.seq-length", "128"]
     one = dry_run([*moe, "--world-size", "1"])["roles"][0]
-    assert one["flops"] == pytest.approx(one["plan_flops"], rel=0.01) and one["flops_unknown_ops"] == 0
+    assert one["flops"] == pytest.approx(one["plan_flops"], rel=0.01) and one["flops_estimated_ops"] == 0
     split = dry_run([*moe, "--parallel.ep", "2", "--parallel.dp-shard", "2", "--world-size", "2"])["roles"][0]
-    assert split["flops_unknown_ops"] > 0
+    assert split["flops"] == pytest.approx(split["plan_flops"], rel=0.01) and split["flops_estimated_ops"] > 0
 
 
 def test_every_readme_dry_run_command_is_a_valid_config():

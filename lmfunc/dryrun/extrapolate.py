@@ -22,7 +22,7 @@ import time
 
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
-from lmfunc.dryrun.capture import batch_plan, trace_rank
+from lmfunc.dryrun.capture import batch_plan, even_expert_share, trace_rank
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, step_facts
 from lmfunc.parallel.mesh import Layout
 
@@ -69,7 +69,13 @@ def uniform_layers(cfg: TrainConfig) -> bool:
 
 def dry_run_facts(cfg: TrainConfig, world_size: int, rank: int = 0) -> StepFacts:
     """The step facts of ``cfg`` on ``rank``: traced whole when it is short or its layers differ,
-    else extrapolated from small copies (module docstring)."""
+    else extrapolated from small copies (module docstring); the experts' tokens evenly shared
+    (``capture.even_expert_share``)."""
+    with even_expert_share(cfg, cfg.parallel.sizes(world_size)):
+        return _dry_run_facts(cfg, world_size, rank)
+
+
+def _dry_run_facts(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
     layers, microbatches = cfg.model.num_layers, batch_plan(cfg, world_size).num_microbatches_at(0)
     if layers * microbatches <= WHOLE_STEP_LIMIT or not uniform_layers(cfg):
         return step_facts(trace_rank(cfg, world_size, rank),
@@ -106,7 +112,7 @@ def dry_run_facts(cfg: TrainConfig, world_size: int, rank: int = 0) -> StepFacts
                           base.memory.largest)
     description = (f"extrapolated to {layers} layers and {microbatches} microbatches from traces of 1-2 layers x 1-2 "
                    f"microbatches, checked exactly against a trace of 3 x 3 (collectives, FLOPs, inputs); {how}")
-    return StepFacts(uses, at("flops"), base.flops_unknown_ops, memory, base.dims_ranks, rank,
+    return StepFacts(uses, at("flops"), base.flops_estimated_ops, memory, base.dims_ranks, rank,
                      time.perf_counter() - began, description)
 
 

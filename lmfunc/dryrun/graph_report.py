@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 import torch
 from torch import fx
 
-from lmfunc.dryrun.capture import CapturedStep
+from lmfunc.dryrun.capture import CapturedStep, estimated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +177,8 @@ def _grouped_mm_flops(node: fx.Node) -> Optional[object]:
     """FLOPs of lmfunc's expert matmuls (``lmfunc.model.moe``; None for other ops):
     ``grouped_mm(rows [T, K], weights [E, K, N])`` and ``grouped_mm_weight_grad(rows [T, K],
     grad [T, N])`` each multiply every row once: ``2 T K N``. ``T``, the rows routed to this rank's
-    experts, is known only at run time under expert parallelism (a symbol: counted as unknown)."""
+    experts, is known only at run time under expert parallelism (a symbol, which ``flops``
+    estimates)."""
     name = node.target.name() if isinstance(node.target, torch._ops.OpOverload) else ""
     if name not in ("lmfunc::grouped_mm", "lmfunc::grouped_mm_weight_grad"):
         return None
@@ -188,12 +189,13 @@ def _grouped_mm_flops(node: fx.Node) -> Optional[object]:
 
 def flops(step: CapturedStep) -> tuple[int, int]:
     """(FLOPs of one step on this rank, number of ops whose FLOPs depend on sizes known only at run
-    time and are left out). Matmuls and convolutions by torch's formulas
+    time, counted at their estimate: ``capture.estimated``, an even share of the experts' tokens in
+    a dry run). Matmuls and convolutions by torch's formulas
     (``torch.utils.flop_counter``), fused attention by ``_attention_flops``, the experts' grouped
     matmuls by ``_grouped_mm_flops``."""
     from torch.utils.flop_counter import flop_registry
 
-    total, unknown = 0, 0
+    total, sized = 0, 0
     for node, times in walk(step.graph):
         target, args, kwargs = _call(node)
         packet = getattr(target, "overloadpacket", None)
@@ -209,10 +211,10 @@ def flops(step: CapturedStep) -> tuple[int, int]:
             continue
         value = _concrete(count)
         if value is None:
-            unknown += times
-        else:
-            total += times * value
-    return total, unknown
+            value = estimated(count) or 0
+            sized += times
+        total += times * value
+    return total, sized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +244,7 @@ class StepFacts:
 
     collectives: list[CollectiveUse]
     flops: int
-    flops_unknown_ops: int
+    flops_estimated_ops: int
     memory: MemoryReport
     dims_ranks: dict[str, list[int]]
     rank: int
@@ -252,6 +254,6 @@ class StepFacts:
 
 
 def step_facts(step: CapturedStep, traced: str = "the whole step traced") -> StepFacts:
-    total, unknown = flops(step)
-    return StepFacts(collectives(step), total, unknown, memory(step), step.dims_ranks, step.rank,
+    total, sized = flops(step)
+    return StepFacts(collectives(step), total, sized, memory(step), step.dims_ranks, step.rank,
                      step.trace_seconds, traced)

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lmfunc.config.train import TrainConfig
-from lmfunc.dryrun.capture import CapturedStep, batch_plan, capturing_backend, fake_batch
+from lmfunc.dryrun.capture import CapturedStep, batch_plan, capturing_backend, estimated, even_expert_share, fake_batch
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, collective_kind, collectives, flops
 from lmfunc.dryrun.world import fake_world, group_dims, mesh_of
 from lmfunc.parallel.mesh import Layout
@@ -65,10 +65,7 @@ def _storage_bytes(tensor: torch.Tensor) -> tuple[Optional[object], int]:
     if isinstance(tensor, DTensor):
         tensor = tensor._local_tensor
     storage = tensor.untyped_storage()
-    try:
-        return storage, int(storage.nbytes())
-    except (TypeError, RuntimeError):  # a size known only at run time
-        return storage, 0
+    return storage, estimated(storage.nbytes()) or 0  # a size known only at run time: its estimate
 
 
 class StepRecorder(TorchDispatchMode):
@@ -237,7 +234,13 @@ def pipeline_roles(sizes: dict[str, int], world_size: int) -> list[tuple[str, in
 
 def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
     """The step facts of ``rank``'s pipeline train step for ``cfg`` (validated for
-    ``world_size``), compiled as ``python -m lmfunc.train`` compiles it (module docstring)."""
+    ``world_size``), compiled as ``python -m lmfunc.train`` compiles it (module docstring); the
+    experts' tokens evenly shared (``capture.even_expert_share``)."""
+    with even_expert_share(cfg, cfg.parallel.sizes(world_size)):
+        return _trace_pipeline_rank(cfg, world_size, rank)
+
+
+def _trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -287,14 +290,14 @@ def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str
         for slot, amount in ((1, elements), (2, nbytes)):  # None: known only at run time
             entry[slot] = None if entry[slot] is None or amount is None else entry[slot] + times * amount
 
-    total_flops, unknown = 0, 0
+    total_flops, sized = 0, 0
     for index, graph in enumerate(graphs):
         n = calls[index]
         for use in collectives(graph):
             add((use.kind, use.dims), n, use.count, use.elements, use.bytes)
-        graph_flops, graph_unknown = flops(graph)
+        graph_flops, graph_sized = flops(graph)
         total_flops += n * graph_flops
-        unknown += n * graph_unknown
+        sized += n * graph_sized
     for kind, group, elements, nbytes in recorder.eager:
         add((kind, names.get(group, group)), 1, 1, elements, nbytes)
     collective_uses = [CollectiveUse(kind, dims, *entry) for (kind, dims), entry in sorted(uses.items())]
@@ -313,4 +316,4 @@ def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str
     memory = MemoryReport(peak, inputs, at, largest)
     traced = (f"the pipeline rank's step run on fake tensors: {len(graphs)} compiled graphs captured, called "
               f"{len(recorder.calls)} times over {microbatches} microbatches")
-    return StepFacts(collective_uses, total_flops, unknown, memory, dims_ranks, rank, seconds, traced)
+    return StepFacts(collective_uses, total_flops, sized, memory, dims_ranks, rank, seconds, traced)

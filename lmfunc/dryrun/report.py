@@ -95,7 +95,7 @@ class RoleReport:
     memory: MemoryReport
     collectives: list[CollectiveTime]
     flops: int
-    flops_unknown_ops: int
+    flops_estimated_ops: int
     compute_seconds: float
     exposed_seconds: float
     plan_peak: Optional[int]
@@ -132,7 +132,7 @@ def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[i
             exposed += seconds or 0.0
     exposed += max(0.0, data_parallel - compute)
     return RoleReport(role, facts.rank, facts.trace_seconds, facts.traced, facts.memory, times, facts.flops,
-                      facts.flops_unknown_ops, compute, exposed, plan_peak, plan_flops, compute * bubble_fraction)
+                      facts.flops_estimated_ops, compute, exposed, plan_peak, plan_flops, compute * bubble_fraction)
 
 
 def check_fits(report: RoleReport, hw: Hardware) -> None:
@@ -167,8 +167,8 @@ def format_report(report: RoleReport, hw: Hardware) -> str:
     lines += [f"    live there: {name} {_gib(size)}" for name, size in mem.largest]
     lines.append(f"  FLOPs: {report.flops:.4g} on the graph (recomputation included); Megatron's count for an even share "
                  f"{report.plan_flops:.4g} ({_percent(report.flops, report.plan_flops)})"
-                 + (f"; {report.flops_unknown_ops} ops of data-dependent size not counted" if report.flops_unknown_ops
-                    else ""))
+                 + (f"; {report.flops_estimated_ops} ops of sizes known only at run time counted at an even share of "
+                    "the experts' tokens" if report.flops_estimated_ops else ""))
     lines.append("  collectives of one step (group size, link, time at the link's bandwidth):")
     for t in report.collectives:
         use = t.use
@@ -198,7 +198,7 @@ def report_json(report: RoleReport, hw: Hardware) -> dict:
         "memory": {"peak_bytes": mem.peak, "input_bytes": mem.inputs, "at_node": mem.at_node,
                    "largest": [{"buffer": n, "bytes": b} for n, b in mem.largest],
                    "plan_peak_bytes": report.plan_peak},
-        "flops": report.flops, "flops_unknown_ops": report.flops_unknown_ops, "plan_flops": report.plan_flops,
+        "flops": report.flops, "flops_estimated_ops": report.flops_estimated_ops, "plan_flops": report.plan_flops,
         "collectives": [{"kind": t.use.kind, "dims": t.use.dims, "count": t.use.count, "elements": t.use.elements,
                          "bytes": t.use.bytes, "group_size": t.group_size, "link": t.link, "seconds": t.seconds,
                          "overlapped": t.overlapped} for t in report.collectives],
