@@ -194,7 +194,7 @@ def test_the_experts_matmuls_are_counted_on_one_rank_and_at_an_even_share_under_
     """The experts' grouped matmuls (``lmfunc::grouped_mm`` and its weight gradient) count: on one
     rank the MoE step's FLOPs are Megatron's count within 1% (the router's matmul is the rest);
     under expert parallelism the rows each rank's experts get are known only at run time: taken at
-    an even share of the tokens (``capture.even_expert_share``), the step's FLOPs are Megatron's
+    an even share of the tokens (``lmfunc.train.run_step.even_expert_share``), the step's FLOPs are Megatron's
     even share within 1% too, and the report says how many ops it sized so."""
     moe = ["--preset", "moe-small", "--run.micro-batch-size", "2", "--run.global-batch-size", "4",
            "--data.seq-length", "128"]

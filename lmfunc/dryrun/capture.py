@@ -248,37 +248,10 @@ def trace(world_size: int, rank: int, sizes: dict[str, int], make: StepInputs,
                             time.perf_counter() - began)
 
 
-def expert_rows_per_peer(cfg: TrainConfig, sizes: dict[str, int]) -> Optional[int]:
-    """Under an even share of the experts' tokens, the rows an expert-parallel rank sends to each
-    rank of its ``ep`` group and receives from each: its own tokens (the micro batch's, split over
-    ``cp`` and, with sequence parallelism, ``tp``) times the router's top-k, over ``ep``. None
-    without expert parallelism."""
-    m, ep = cfg.model, sizes.get("ep", 1)
-    if ep == 1 or not m.num_experts:
-        return None
-    tokens = cfg.run.micro_batch_size * cfg.data.seq_length // sizes["cp"]
-    tokens //= sizes["tp"] if m.sequence_parallel else 1
-    return max(1, tokens * m.moe_router_topk // ep)
-
-
-@contextlib.contextmanager
-def even_expert_share(cfg: TrainConfig, sizes: dict[str, int]) -> Iterator[None]:
-    """While inside, a size known only at run time (the rows each expert-parallel rank exchanges,
-    read back from the routed counts) is taken at ``expert_rows_per_peer`` wherever a number is
-    needed: Inductor's buffer sizes and schedule, the saved-value choice, the FLOPs and the bytes a
-    pipeline rank keeps. It is Inductor's ``unbacked_symint_fallback`` (8192 by default), the value
-    each unknown takes in torch's estimates."""
-    rows = expert_rows_per_peer(cfg, sizes)
-    if rows is None:
-        yield
-        return
-    with torch._inductor.config.patch(unbacked_symint_fallback=rows):
-        yield
-
-
 def estimated(value) -> Optional[int]:
     """``value`` as an int: a symbolic size at its estimate (each unknown at Inductor's
-    ``unbacked_symint_fallback``, ``even_expert_share`` inside a dry run); None for anything else."""
+    ``unbacked_symint_fallback``: ``lmfunc.train.run_step.even_expert_share`` inside a dry run);
+    None for anything else."""
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 
     if isinstance(value, int):

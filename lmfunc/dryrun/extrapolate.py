@@ -22,7 +22,8 @@ import time
 
 from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
-from lmfunc.dryrun.capture import batch_plan, even_expert_share, trace_rank
+from lmfunc.dryrun.capture import batch_plan, trace_rank
+from lmfunc.train.run_step import even_expert_share
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, step_facts
 from lmfunc.parallel.mesh import Layout
 
@@ -70,7 +71,7 @@ def uniform_layers(cfg: TrainConfig) -> bool:
 def dry_run_facts(cfg: TrainConfig, world_size: int, rank: int = 0) -> StepFacts:
     """The step facts of ``cfg`` on ``rank``: traced whole when it is short or its layers differ,
     else extrapolated from small copies (module docstring); the experts' tokens evenly shared
-    (``capture.even_expert_share``)."""
+    (``lmfunc.train.run_step.even_expert_share``)."""
     with even_expert_share(cfg, cfg.parallel.sizes(world_size)):
         return _dry_run_facts(cfg, world_size, rank)
 

@@ -46,13 +46,14 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lmfunc.config.train import TrainConfig
-from lmfunc.dryrun.capture import CapturedStep, batch_plan, capturing_backend, estimated, even_expert_share, fake_batch
+from lmfunc.dryrun.capture import CapturedStep, batch_plan, capturing_backend, estimated, fake_batch
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, collective_kind, collectives, flops
 from lmfunc.dryrun.world import fake_world, group_dims, mesh_of
 from lmfunc.parallel.mesh import Layout
 from lmfunc.precision import compute_dtype
 from lmfunc.train.make_optimizer import run_optimizer
 from lmfunc.train.pipeline_run import init_rank_params, pipeline_rank, pipeline_steps
+from lmfunc.train.run_step import even_expert_share
 from lmfunc.train.state import TrainState
 
 EAGER_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast": "broadcast", "send": "send",
@@ -235,7 +236,7 @@ def pipeline_roles(sizes: dict[str, int], world_size: int) -> list[tuple[str, in
 def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
     """The step facts of ``rank``'s pipeline train step for ``cfg`` (validated for
     ``world_size``), compiled as ``python -m lmfunc.train`` compiles it (module docstring); the
-    experts' tokens evenly shared (``capture.even_expert_share``)."""
+    experts' tokens evenly shared (``lmfunc.train.run_step.even_expert_share``)."""
     with even_expert_share(cfg, cfg.parallel.sizes(world_size)):
         return _trace_pipeline_rank(cfg, world_size, rank)
 

@@ -35,6 +35,7 @@ from lmfunc.train.resume import check_writable, prepare_run_paths_on_every_rank,
 from lmfunc.train.host_memory import keep_freed_host_memory
 from lmfunc.train.run_checkpoints import RunCheckpoints
 from lmfunc.train.run_lock import RunLock
+from lmfunc.train.run_step import even_expert_share
 from lmfunc.train.log import RunLogger, WandbSettings, router_layer_values, run_announcement, step_extras, train_line
 from lmfunc.train.make_optimizer import run_optimizer
 from lmfunc.train.memory_watch import MemoryWatch
@@ -83,7 +84,8 @@ def train(cfg: TrainConfig) -> RunResult:
     if layout.mesh is None:
         return _train(cfg, tokenizer, layout)
     try:
-        result = _train(cfg, tokenizer, layout)
+        with even_expert_share(cfg, layout.sizes):
+            result = _train(cfg, tokenizer, layout)
         # Every rank leaves together: a rank that tears down its process group while another is
         # still saving or sampling makes gloo abort the process at exit.
         dist.barrier()

@@ -4,7 +4,10 @@ run (``lmfunc.dryrun``), so that a dry run traces the very step the trainer runs
 
 from __future__ import annotations
 
-from typing import Callable, Union
+import contextlib
+from typing import Callable, Iterator, Optional, Union
+
+import torch
 
 from lmfunc.config.train import TrainConfig
 from lmfunc.optim import GradientTransformation
@@ -35,3 +38,32 @@ def run_eval_step(cfg: TrainConfig, on_mesh: bool) -> Callable:
     """The run's ``eval_step(params, batch)``, compiled and precompiled as the train step."""
     return make_eval_step(cfg.model, compute_dtype=compute_dtype(cfg.precision.compute_dtype), compile=cfg.run.compile,
                           precompile=cfg.run.precompile and not on_mesh, bucket_size_mb=_bucket_size_mb(cfg))
+
+
+def expert_rows_per_peer(cfg: TrainConfig, sizes: dict[str, int]) -> Optional[int]:
+    """Under an even share of the experts' tokens, the rows an expert-parallel rank sends to each
+    rank of its ``ep`` group and receives from each: its own tokens (the micro batch's, split over
+    ``cp`` and, with sequence parallelism, ``tp``) times the router's top-k, over ``ep``. None
+    without expert parallelism."""
+    m, ep = cfg.model, sizes.get("ep", 1)
+    if ep == 1 or not m.num_experts:
+        return None
+    tokens = cfg.run.micro_batch_size * cfg.data.seq_length // sizes["cp"]
+    tokens //= sizes["tp"] if m.sequence_parallel else 1
+    return max(1, tokens * m.moe_router_topk // ep)
+
+
+@contextlib.contextmanager
+def even_expert_share(cfg: TrainConfig, sizes: dict[str, int]) -> Iterator[None]:
+    """While inside, a size known only at run time (the rows each expert-parallel rank exchanges,
+    read back from the routed counts) is taken at ``expert_rows_per_peer`` wherever a number is
+    needed: Inductor's buffer sizes and schedule and the saved-value choice when the run compiles,
+    and in a dry run also the FLOPs and the bytes a pipeline rank keeps. It is Inductor's
+    ``unbacked_symint_fallback`` (8192 by default), the value each unknown takes in torch's
+    estimates; the trainer runs inside it, so a dry run compiles the very graphs it does."""
+    rows = expert_rows_per_peer(cfg, sizes)
+    if rows is None:
+        yield
+        return
+    with torch._inductor.config.patch(unbacked_symint_fallback=rows):
+        yield
