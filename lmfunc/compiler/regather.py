@@ -8,7 +8,7 @@ the forward have results the backward reads again:
   whole parameter);
 - with sequence parallelism, each layer's input gathered over ``tp`` to the whole sequence (the
   weight gradient's matmul reads it).
-Saved, each microbatch in flight kept its stage's gathered parameters and its layers' gathered
+Saved, each microbatch in flight keeps its stage's gathered parameters and its layers' gathered
 inputs until its backward: under 1F1B the first pipeline rank holds ``pp`` microbatches, so ``pp``
 such copies. FSDP (torch's ``reshard_after_forward``, Megatron's) and Megatron's sequence-parallel
 linear layers keep the shards instead and gather again in the backward.

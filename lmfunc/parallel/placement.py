@@ -178,11 +178,11 @@ def _reduce_grad_here(x: DTensor) -> DTensor:
     """Megatron's ``f``: ``x`` unchanged; in the backward its gradient (a ``Partial`` sum over ``tp``
     from the column-parallel projections) is redistributed to ``x``'s placements right here (an
     all-reduce). ``DTensor.from_local`` of ``x``'s local tensor does that in its backward, eager and
-    compiled alike. An ``autograd.Function`` doing it did not survive ``torch.compile`` (torch 2.13:
-    the traced backward took the gradient to be in ``x``'s placements already and dropped the
-    all-reduce), so the partial sum flowed on and every row-parallel weight's backward all-gathered
-    the weight over ``tp`` and multiplied it whole (the tiny model's step: 18% more FLOPs than
-    Megatron's count with tp 2)."""
+    compiled alike; an ``autograd.Function`` does not under ``torch.compile`` (torch 2.13 traces its
+    backward with the gradient already in ``x``'s placements and drops the all-reduce). Without the
+    all-reduce the partial sum flows on through the residual stream, and every row-parallel
+    weight's backward all-gathers the weight over ``tp`` and multiplies it whole
+    (``tests/test_dryrun.py`` checks the FLOPs against Megatron's count)."""
     return DTensor.from_local(x.to_local(), x.device_mesh, x.placements, run_check=False, shape=x.shape,
                               stride=x.stride())
 

@@ -137,8 +137,8 @@ def _leaves_mesh(weights: list, data_mesh: Optional[DeviceMesh]) -> Optional[Dev
     object, every DTensor the compiled stage returns (the last stage's loss metrics) is on a mesh
     the graph takes as input. On another object (an equal one: the trainer builds the state's mesh
     and the step's separately), torch 2.13 may return the metrics' mesh through
-    ``device_mesh._get_submesh``, which Inductor cannot lower: the trainer's compiled last stage
-    beside dp_shard failed so at its first step (``tests/test_train_pipeline.py``)."""
+    ``device_mesh._get_submesh``, which Inductor cannot lower, and the trainer's compiled last stage
+    beside dp_shard fails at its first step (``tests/test_train_pipeline.py``)."""
     if data_mesh is None:
         return None
     for weight in weights:
