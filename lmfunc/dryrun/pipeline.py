@@ -77,12 +77,16 @@ class StepRecorder(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sizes: dict[int, tuple[weakref.ref, int]] = {}
+        self.sizes: dict[int, tuple[weakref.ref, int, str]] = {}
         self.total = 0
+        self.by_maker: Counter = Counter()
+        """The bytes alive by what made them: the step's inputs, a captured graph's outputs, an eager op."""
         self.made_by_graphs = WeakIdKeyDictionary()
         self.kept_outside: Optional[WeakIdKeyDictionary] = None
         self.inside = False
-        self.calls: list[tuple[int, int, frozenset]] = []
+        self.calls: list[tuple[int, int, frozenset, Counter]] = []
+        """Per graph call: the graph, the bytes alive when it starts, the inputs it frees, and
+        ``by_maker`` then."""
         self.kept_per_call: dict[int, Counter] = {}
         """Captured graph -> the bytes one call's new outputs hold, by the op that made each."""
         self.eager: list[tuple[str, str, int, int]] = []
@@ -94,28 +98,32 @@ class StepRecorder(TorchDispatchMode):
         compiled functions run."""
         return True
 
-    def hold(self, tree) -> None:
-        """Count every tensor in ``tree`` as alive until it is freed."""
+    def hold(self, tree, maker: str = "the step's inputs (state, batch)") -> None:
+        """Count every tensor in ``tree`` as alive until it is freed, as made by ``maker``."""
         for leaf in tree_leaves(tree):
             if isinstance(leaf, torch.Tensor):
-                self._hold_storage(*_storage_bytes(leaf))
+                self._hold_storage(*_storage_bytes(leaf), maker)
 
-    def _hold_storage(self, storage, size: int) -> bool:
-        """Count ``storage`` (``size`` bytes) as alive until it is freed; whether it was new."""
+    def _hold_storage(self, storage, size: int, maker: str) -> bool:
+        """Count ``storage`` (``size`` bytes, made by ``maker``) as alive until it is freed; whether
+        it was new."""
         key = id(storage)
         held = self.sizes.get(key)
         if held is not None:
             if held[0]() is storage:
                 return False
             self.total -= held[1]  # a freed storage whose id was reused
+            self.by_maker[held[2]] -= held[1]
 
-        def freed(ref, key=key, size=size) -> None:
+        def freed(ref, key=key, size=size, maker=maker) -> None:
             if self.sizes.get(key, (None,))[0] is ref:
                 del self.sizes[key]
                 self.total -= size
+                self.by_maker[maker] -= size
 
-        self.sizes[key] = (weakref.ref(storage, freed), size)
+        self.sizes[key] = (weakref.ref(storage, freed), size, maker)
         self.total += size
+        self.by_maker[maker] += size
         return True
 
     def live(self) -> int:
@@ -130,7 +138,7 @@ class StepRecorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.inside and not isinstance(func, torch._ops.HigherOrderOperator):
             self._record_collective(func, args)
-            self.hold(out)
+            self.hold(out, f"eager {func.overloadpacket.__name__}")
             self.peak_between_graphs = max(self.peak_between_graphs, self.live())
         return out
 
@@ -151,7 +159,7 @@ class StepRecorder(TorchDispatchMode):
     def start(self) -> None:
         """From now on the tensors alive (the state, the batch) are the caller's: a graph never
         frees them."""
-        self.kept_outside = WeakIdKeyDictionary({ref(): True for ref, _ in self.sizes.values() if ref() is not None})
+        self.kept_outside = WeakIdKeyDictionary({ref(): True for ref, _, _ in self.sizes.values() if ref() is not None})
 
     def _freeable(self, args: list) -> frozenset:
         """The positions of ``args`` a compiled graph frees after their last use: tensors another
@@ -168,7 +176,7 @@ class StepRecorder(TorchDispatchMode):
         makers = _output_makers(graph)
 
         def run(args: list):
-            self.calls.append((index, self.live(), self._freeable(args)))
+            self.calls.append((index, self.live(), self._freeable(args), +self.by_maker))
             self.inside = True
             try:
                 outputs = graph(*args)
@@ -178,7 +186,7 @@ class StepRecorder(TorchDispatchMode):
             for maker, leaf in zip(makers, outputs):
                 if isinstance(leaf, torch.Tensor):
                     storage, size = _storage_bytes(leaf)
-                    if self._hold_storage(storage, size):
+                    if self._hold_storage(storage, size, f"outputs of captured graph {index}"):
                         kept[maker] += size
                     self.made_by_graphs[storage] = True
             self.kept_per_call.setdefault(index, kept)
@@ -282,7 +290,7 @@ def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str
     """The step facts of a recorded pipeline step whose captured graphs are ``sink``."""
     graphs = [CapturedStep(graph, graph_inputs, scheduled, names, dims_ranks, dict(sizes), rank, microbatches, 0.0)
               for graph, graph_inputs, scheduled in sink]
-    calls = Counter(index for index, _, _ in recorder.calls)
+    calls = Counter(index for index, _, _, _ in recorder.calls)
     uses: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0])
 
     def add(key: tuple[str, str], times: int, count: int, elements: Optional[int], nbytes: Optional[int]) -> None:
@@ -303,12 +311,13 @@ def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str
         add((kind, names.get(group, group)), 1, 1, elements, nbytes)
     collective_uses = [CollectiveUse(kind, dims, *entry) for (kind, dims), entry in sorted(uses.items())]
     peak, at, largest = recorder.peak_between_graphs, "between the graphs", []
-    for call, (index, live, freeable) in enumerate(recorder.calls):
+    for call, (index, live, freeable, makers) in enumerate(recorder.calls):
         scheduled = graphs[index].scheduled
         working = scheduled.peak_freeing(freeable)
         if live + working > peak:
             peak, at = live + working, f"call {call + 1} of {len(recorder.calls)}: captured graph {index}"
             largest = [("kept between the graphs (state, saved activations, gradients)", live),
+                       *((f"  of it, {maker}", size) for maker, size in makers.most_common(4)),
                        ("the graph's own buffers at its peak", working)]
     if recorder.kept_per_call:
         index, kept = max(recorder.kept_per_call.items(), key=lambda item: sum(item[1].values()))
