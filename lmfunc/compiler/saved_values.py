@@ -60,6 +60,12 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
+def size_estimate(size: int | torch.SymInt) -> int:
+    """``size`` as an int: a size known only at run time (an unbacked size) at Inductor's estimate,
+    each unknown at ``unbacked_symint_fallback``, without adding a guard."""
+    return optimization_hint(size, fallback=torch._inductor.config.unbacked_symint_fallback)
+
+
 def _bytes(node: fx.Node) -> int | None:
     """Bytes of the node's value: 0 for a host scalar (an ``int``/``float``/``bool`` or its symbolic
     form, such as the split sizes that expert parallelism's all-to-all reads back from a tensor and
@@ -69,8 +75,7 @@ def _bytes(node: fx.Node) -> int | None:
     ``unbacked_symint_fallback`` for each unknown, without adding a guard."""
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
-        fallback = torch._inductor.config.unbacked_symint_fallback
-        return optimization_hint(value.numel(), fallback=fallback) * value.element_size()
+        return size_estimate(value.numel()) * value.element_size()
     if isinstance(value, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
         return 0
     return None

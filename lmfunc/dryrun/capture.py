@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB
 from lmfunc.compiler.compiling import compile_settings, inductor_options, options_for_graph
+from lmfunc.compiler.saved_values import size_estimate
 from lmfunc.config.train import TrainConfig
 from lmfunc.data.batch import lm_batch
 from lmfunc.dryrun.world import fake_world, group_dims, mesh_of
@@ -252,13 +253,7 @@ def estimated(value) -> Optional[int]:
     """``value`` as an int: a symbolic size at its estimate (each unknown at Inductor's
     ``unbacked_symint_fallback``: ``lmfunc.train.run_step.even_expert_share`` inside a dry run);
     None for anything else."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-    if isinstance(value, int):
-        return value
-    if isinstance(value, torch.SymInt):
-        return optimization_hint(value, fallback=torch._inductor.config.unbacked_symint_fallback)
-    return None
+    return size_estimate(value) if isinstance(value, (int, torch.SymInt)) else None
 
 
 def batch_plan(cfg: TrainConfig, world_size: int) -> BatchPlan:
