@@ -112,7 +112,7 @@ def test_context_parallel_runs_are_validated_with_the_field_and_value():
     ("1 2 1 0", 1, 1, 0, "none", ""),
     ("1 2 1 0", 0, 1, 0, "full", ""),
     ("1 2 1 0", 1, 1, 0, "none", "--moe --mla --seq-aux"),
-    pytest.param("1 2 1 0", 0, 0, 1, "none", "", marks=pytest.mark.slow),
+    pytest.param("2 2 1 0", 1, 0, 1, "none", "", marks=pytest.mark.slow),
     pytest.param("1 2 1 0", 0, 1, 1, "selective", "", marks=pytest.mark.slow),
     pytest.param("1 4 1 0", 0, 1, 0, "none", "", marks=pytest.mark.slow),
     pytest.param("2 2 1 0", 1, 1, 0, "none", "", marks=pytest.mark.slow),
@@ -130,7 +130,8 @@ def test_a_sequence_split_over_cp_trains_like_one_process(mesh, mtp, docs, compi
     (``--seq-aux``: the sequence-level balance loss, whose per-sequence sums add up over cp) and
     loads summed over the whole batch, the expert bias moved by them, all compared with one process
     through the router metrics; MLA attention over keys gathered across cp; ``--ep=2`` the experts
-    split over 2 data-parallel ranks beside cp."""
+    split over 2 data-parallel ranks beside cp. Compiled cp 2 x dp_shard 2 splits every projection's
+    tokens along the batch and the sequence (``placement.linear``)."""
     run_batched(request, worker_case)
 
 

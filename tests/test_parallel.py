@@ -31,18 +31,6 @@ def test_sizes_resolve_and_bad_layouts_are_named():
         check_divisibility({"tp": 2}, tiny, seq_length=33)
 
 
-def test_mtp_on_a_2d_mesh_with_compile_is_refused_but_on_hsdp():
-    from lmfunc.config.train import DataConfig, ParallelConfig, RunConfig, TrainConfig
-
-    cfg = TrainConfig(model=model_preset("tiny", mtp_num_layers=1), parallel=ParallelConfig(dp_shard=2, tp=2),
-                      data=DataConfig(seq_length=64), run=RunConfig(micro_batch_size=4))
-    with pytest.raises(ConfigError, match=r"2-D mesh \(dp_shard x tp\).*--run.no-compile"):
-        cfg.validate(world_size=4)
-    cfg.replace(run=RunConfig(micro_batch_size=4, compile=False)).validate(world_size=4)
-    # HSDP compiles with MTP: the compiled HSDP + MTP case of test_parallel_invariance
-    cfg.replace(parallel=ParallelConfig(dp_replicate=2, dp_shard=2)).validate(world_size=4)
-
-
 def test_mesh_dims_follow_megatrons_rank_order():
     # Outermost first: tp varies fastest between consecutive ranks, then cp, then ep (the inner
     # factor of the data-parallel shard ranks), then the rest of data parallel, then pp.

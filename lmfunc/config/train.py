@@ -65,7 +65,7 @@ def validate_train(cfg: TrainConfig, world_size: int = 1, planning: bool = False
     validate_run(cfg.run)
     validate_checkpoint(cfg.checkpoint)
     validate_precision(cfg.precision)
-    validate_mesh(cfg.model, cfg.parallel, cfg.run, cfg.data.seq_length, world_size)
+    validate_mesh(cfg.model, cfg.parallel, cfg.data.seq_length, world_size)
 
 
 __all__ = [

@@ -231,13 +231,6 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: in
     _require(parallel.bucket_size_mb > 0, f"parallel.bucket_size_mb must be positive, got {parallel.bucket_size_mb}")
 
 
-def validate_mesh(model: ModelConfig, parallel: ParallelConfig, run: RunConfig, seq_length: int, world_size: int) -> None:
-    """The model split by the mesh's sizes, and what torch 2.13 compiles on a mesh of several dims."""
-    sizes = parallel.sizes(world_size)
-    check_divisibility(sizes, model, seq_length)
-    mesh_dims = [name for name, size in sizes.items() if size > 1]
-    hsdp = set(mesh_dims) == {"dp_replicate", "dp_shard"}  # compiles with MTP (tests/test_parallel.py)
-    _require(not (run.compile and model.mtp_num_layers and len(mesh_dims) > 1 and not hsdp),
-             f"model.mtp_num_layers > 0 on a {len(mesh_dims)}-D mesh ({' x '.join(mesh_dims)}) does not compile with "
-             "torch 2.13 (Dynamo: PendingUnbackedSymbolNotFound); use a 1-D layout, HSDP (dp_replicate x dp_shard) "
-             "or --run.no-compile")
+def validate_mesh(model: ModelConfig, parallel: ParallelConfig, seq_length: int, world_size: int) -> None:
+    """The model split by the mesh's sizes."""
+    check_divisibility(parallel.sizes(world_size), model, seq_length)

@@ -24,7 +24,7 @@ from lmfunc.model import mtp
 from lmfunc.model.layers import upcast
 from lmfunc.model.moe import RouterStats
 from lmfunc.parallel.context import is_context_parallel
-from lmfunc.parallel.placement import is_vocab_parallel
+from lmfunc.parallel.placement import is_vocab_parallel, linear
 
 
 def masked_cross_entropy(
@@ -76,7 +76,7 @@ def output_layer_loss(
     weight = model.gpt.output_weight(params, cfg)
     if cfg.cross_entropy_chunk_tokens > 0 and not isinstance(weight, DTensor) and not isinstance(hidden, DTensor):
         return chunked_output_layer_loss(hidden, weight, labels, loss_mask, cfg.cross_entropy_chunk_tokens, grad_hint)
-    return masked_cross_entropy(hidden @ weight, labels, loss_mask)
+    return masked_cross_entropy(linear(hidden, weight), labels, loss_mask)
 
 
 class LossOutput(NamedTuple):

@@ -35,7 +35,7 @@ from lmfunc.config import ModelConfig
 from lmfunc.model import layers, mla, moe
 from lmfunc.model.moe import RouterStats
 from lmfunc.model.recompute import checkpointed
-from lmfunc.parallel.placement import compute_layout, embedding_lookup, gather, region, residual_layout
+from lmfunc.parallel.placement import compute_layout, embedding_lookup, gather, linear, region, residual_layout
 from lmfunc.tree import tree_map
 
 from lmfunc.model.param_specs import (LAYER_AXIS, LeafSpec, Params, init, init_leaf, leaf_seed, param_axes,  # noqa: F401
@@ -224,4 +224,4 @@ def output_weight(params: Params, cfg: ModelConfig) -> torch.Tensor:
 
 def logits(params: Params, hidden: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Vocabulary logits ``[B, S, V]`` from final hidden states ``[B, S, h]``."""
-    return hidden @ output_weight(params, cfg)
+    return linear(hidden, output_weight(params, cfg))

@@ -16,7 +16,7 @@ from lmfunc.config import ModelConfig
 from lmfunc.model.recompute import checkpointed
 from lmfunc.parallel.context import (ContextMask, context_mask, context_parallel_attention, is_context_parallel,
                                      token_index)
-from lmfunc.parallel.placement import gather, run_local
+from lmfunc.parallel.placement import gather, linear, run_local
 
 Params = dict
 Stream = Union[int, torch.Tensor]
@@ -166,7 +166,7 @@ def project_qkv(
     """Queries ``[B, S, a, d]`` and keys/values ``[B, S, g, d]`` of ``x`` ``[B, S, h]`` (QK-norm and RoPE applied)."""
     batch, seq, _ = x.shape
     d, heads, groups = cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
-    q, k, v = x @ gather(p["wq"]), x @ gather(p["wk"]), x @ gather(p["wv"])
+    q, k, v = linear(x, gather(p["wq"])), linear(x, gather(p["wk"])), linear(x, gather(p["wv"]))
     if cfg.add_bias_linear:
         q, k, v = q + gather(p["bq"]), k + gather(p["bk"]), v + gather(p["bv"])
     q = q.view(batch, seq, heads, d)
@@ -182,7 +182,7 @@ def project_qkv(
 def project_out(p: Params, heads_out: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The output projection of attention heads ``[B, a, S, d]`` -> ``[B, S, h]``."""
     batch, _, seq, _ = heads_out.shape
-    out = heads_out.transpose(1, 2).reshape(batch, seq, -1) @ gather(p["wo"])
+    out = linear(heads_out.transpose(1, 2).reshape(batch, seq, -1), gather(p["wo"]))
     return out + gather(p["bo"]) if cfg.add_bias_linear else out
 
 
@@ -206,14 +206,14 @@ def attention(
 def mlp(p: Params, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """SwiGLU ``(silu(x Wg) * x Wu) Wd`` or GeLU ``gelu(x W1) W2``: ``[B, S, h] -> [B, S, h]``."""
     if cfg.activation == "swiglu":
-        gate, up = x @ gather(p["w_gate"]), x @ gather(p["w_up"])
+        gate, up = linear(x, gather(p["w_gate"])), linear(x, gather(p["w_up"]))
         if cfg.add_bias_linear:
             gate, up = gate + gather(p["b_gate"]), up + gather(p["b_up"])
         hidden = F.silu(gate) * up
     else:
-        hidden = x @ gather(p["w_in"])
+        hidden = linear(x, gather(p["w_in"]))
         if cfg.add_bias_linear:
             hidden = hidden + gather(p["b_in"])
         hidden = F.gelu(hidden)
-    out = hidden @ gather(p["w_out"])
+    out = linear(hidden, gather(p["w_out"]))
     return out + gather(p["b_out"]) if cfg.add_bias_linear else out

@@ -22,7 +22,7 @@ import torch
 
 from lmfunc.config import ModelConfig
 from lmfunc.model.layers import apply_rope, norm
-from lmfunc.parallel.placement import gather
+from lmfunc.parallel.placement import gather, linear
 
 Params = dict
 
@@ -31,7 +31,7 @@ def compress_kv(p: Params, x: torch.Tensor, cfg: ModelConfig,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """What a token keeps for attention: its normed latent ``[B, S, r_kv]`` and its rotated RoPE
     key ``[B, S, 1, d_rope]`` (one for all heads), from ``x`` ``[B, S, h]``."""
-    latent, rope_key = (x @ gather(p["wkv_down"])).split([cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
+    latent, rope_key = linear(x, gather(p["wkv_down"])).split([cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
     return norm(p["kv_norm"], latent, cfg), apply_rope(rope_key.unsqueeze(2), *rope)
 
 
@@ -41,7 +41,7 @@ def expand_kv(p: Params, latent: torch.Tensor, rope_key: torch.Tensor,
     latents ``[B, T, r_kv]`` and RoPE keys ``[B, T, 1, d_rope]`` of T tokens."""
     batch, tokens, _ = latent.shape
     heads, nope = cfg.num_attention_heads, cfg.qk_head_dim
-    kv = (latent @ gather(p["wkv_up"])).view(batch, tokens, heads, nope + cfg.v_head_dim)
+    kv = linear(latent, gather(p["wkv_up"])).view(batch, tokens, heads, nope + cfg.v_head_dim)
     key_nope, value = kv.split([nope, cfg.v_head_dim], dim=-1)
     key = torch.cat([key_nope, rope_key.expand(batch, tokens, heads, cfg.qk_pos_emb_head_dim)], dim=-1)
     return key, value
@@ -51,9 +51,9 @@ def queries(p: Params, x: torch.Tensor, cfg: ModelConfig, rope: tuple[torch.Tens
     """Queries ``[B, S, a, d_nope + d_rope]`` of ``x`` ``[B, S, h]``, their RoPE part rotated."""
     batch, seq, _ = x.shape
     if "wq" in p:
-        q = x @ gather(p["wq"])
+        q = linear(x, gather(p["wq"]))
     else:
-        q = norm(p["q_norm"], x @ gather(p["wq_down"]), cfg) @ gather(p["wq_up"])
+        q = linear(norm(p["q_norm"], linear(x, gather(p["wq_down"])), cfg), gather(p["wq_up"]))
     q = q.view(batch, seq, cfg.num_attention_heads, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
     q_nope, q_rope = q.split([cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
     return torch.cat([q_nope, apply_rope(q_rope, *rope)], dim=-1)

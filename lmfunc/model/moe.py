@@ -36,7 +36,7 @@ from lmfunc.model.router import (ROUTER_LOSSES, Routing, aux_loss_scores, balanc
                                  updated_expert_bias)
 from lmfunc.parallel.expert_parallel import (ExpertGroup, combine_slots, combine_sorted, dispatch_slots,
                                               dispatch_sorted, expert_group)
-from lmfunc.parallel.placement import (gather, gather_experts, replicated, rows_as_tokens, run_on_tokens,
+from lmfunc.parallel.placement import (gather, gather_experts, linear, replicated, rows_as_tokens, run_on_tokens,
                                        tokens_as_rows)
 
 DropPolicy = Literal["probs", "position"]
@@ -212,7 +212,7 @@ def moe_mlp(p: dict, x: torch.Tensor, cfg: ModelConfig,
     batch, seq, hidden = x.shape
     flat = tokens_as_rows(x)
     router = p["router"]
-    sequence_logits = x @ gather(router["weight"])
+    sequence_logits = linear(x, gather(router["weight"]))
     logits = tokens_as_rows(sequence_logits)
     bias = router.get("expert_bias")
     routing = route(logits, cfg.moe_router_topk, cfg.moe_router_score_function, cfg.moe_router_pre_softmax,

@@ -19,7 +19,7 @@ from lmfunc.model.moe import RouterStats
 from lmfunc.model.recompute import checkpointed
 from lmfunc.parallel import context
 from lmfunc.parallel.context import is_context_parallel
-from lmfunc.parallel.placement import compute_layout, gather, region, residual_layout
+from lmfunc.parallel.placement import compute_layout, gather, linear, region, residual_layout
 
 
 def roll_left(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def forward(
             e = residual_layout(gpt.embed_tokens(params, ids, pos, cfg), sp)
             e = layers.dropout(e, cfg.hidden_dropout, dropout_seed, stream + 3)
             both = [layers.norm(p["enorm"], e, cfg), layers.norm(p["hnorm"], residual_layout(h, sp), cfg)]
-            x = torch.cat(both, dim=-1) @ gather(p["eh_proj"])
+            x = linear(torch.cat(both, dim=-1), gather(p["eh_proj"]))
             x, layer_stats = run_block(p["layer"], x, cfg, rope, mask, dropout_seed, cfg.num_layers + k, aux_grad_scale)
             h = compute_layout(layers.norm(p["final_norm"], x, cfg))
         outputs.append(h)

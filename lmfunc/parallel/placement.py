@@ -53,6 +53,32 @@ def gather(p: torch.Tensor, keep: Sequence[str] = ()) -> torch.Tensor:
     return p if list(p.placements) == want else p.redistribute(p.device_mesh, want)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for activations ``[B, S, in]`` and a weight ``[in, out]`` in its compute layout:
+    ``[B, S, out]``. Activations split along both the batch and the sequence (over ``dp_shard`` and
+    ``cp``, or ``tp`` with SP) are multiplied as rows ``[B * S, in]``, each rank its own tokens:
+    torch 2.13 cannot flatten a DTensor split along two dims inside ``torch.compile`` (the view
+    leaves unbound run-time sizes, Dynamo's ``PendingUnbackedSymbolNotFound``). Column- and
+    row-parallel weights keep their output layouts (a split ``out`` dim, a ``Partial`` sum)."""
+    if not isinstance(x, DTensor) or not {0, 1} <= {p.dim for p in x.placements if isinstance(p, Shard)}:
+        return x @ w
+    mesh, local = x.device_mesh, x.to_local()
+    row_placements = [Shard(0) if isinstance(p, Shard) and p.dim < 2 else Shard(p.dim - 1) if isinstance(p, Shard)
+                      else p for p in x.placements]
+    row_shape = (x.shape[0] * x.shape[1], x.shape[2])
+    rows = DTensor.from_local(local.reshape(-1, local.shape[-1]), mesh, row_placements, run_check=False,
+                              shape=torch.Size(row_shape), stride=_contiguous_strides(row_shape))
+    out = rows @ w
+    if any(isinstance(p, Shard) and p.dim < 2 and o != Shard(0) for p, o in zip(x.placements, out.placements)):
+        raise ValueError(f"linear: a weight {tuple(w.placements)} split over the dims that split the tokens "
+                         f"{tuple(x.placements)}; gather it first (placement.gather)")
+    placements = [p if isinstance(p, Shard) and p.dim < 2 else Shard(o.dim + 1) if isinstance(o, Shard) else o
+                  for p, o in zip(x.placements, out.placements)]
+    shape = (x.shape[0], x.shape[1], out.shape[1])
+    return DTensor.from_local(out.to_local().reshape(*local.shape[:2], -1), mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_strides(shape))
+
+
 def gather_experts(p: torch.Tensor) -> torch.Tensor:
     """Routed-expert weights ``[E, ...]`` in their compute layout: gathered over the
     expert-data-parallel dims, each rank keeping its ``E / ep`` experts."""
