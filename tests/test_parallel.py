@@ -141,7 +141,8 @@ MOE_LAYOUTS = [("dp_shard=2", 2, ["--moe"]), ("tp=2", 2, ["--moe", "--mla", "--s
                ("dp_shard=2,ep=2", 2, ["--moe"])]
 SLOW_MOE_LAYOUTS = [("dp_replicate=2", 2, ["--moe"]), ("dp_shard=2,tp=2", 4, ["--moe", "--mla", "--sp"]),
                     ("dp_shard=4,ep=2", 4, ["--moe"]), ("dp_shard=2,ep=2,tp=2", 4, ["--moe", "--mla", "--sp", "--mtp"]),
-                    ("dp_shard=2,ep=2", 2, ["--moe", "--capacity"]), ("dp_shard=2,ep=2", 2, ["--moe", "--mla", "--fp16"])]
+                    ("dp_shard=2,ep=2", 2, ["--moe", "--capacity"]), ("dp_shard=2,ep=2", 2, ["--moe", "--mla", "--fp16"]),
+                    ("dp_shard=4,ep=2", 4, ["--moe", "--mla", "--mtp", "--compile"])]
 EXPERT_PLACEMENTS = {"dp_shard=2,ep=2": "(Shard(dim=0),)", "dp_shard=4,ep=2": "(Shard(dim=1), Shard(dim=0))",
                      "dp_shard=2,ep=2,tp=2": "(Shard(dim=0), Replicate())"}
 """The routed experts' storage placements (``w_gate`` ``[E, h, f]``) on each expert-parallel layout:
@@ -162,7 +163,9 @@ def test_moe_and_mla_invariance(layout, nproc, flags, request):
     Megatron's reduction over the expert groups), the final params and Adam moments as a whole (relative L2
     1e-5, the issue's measure) and any leaf to 2e-5 (measured: below 5e-6). ``--fp16`` (dynamic loss
     scaling on both sides) to ``test_parallel_invariance``'s fp16 bounds (measured on an AMD EPYC with
-    ep 2, MoE and MLA: losses 3e-6, a leaf 2.8e-3, as a whole 8e-4).
+    ep 2, MoE and MLA: losses 3e-6, a leaf 2.8e-3, as a whole 8e-4). Compiled dp_shard 4 x ep 2 (MTP
+    too): the dense leaves split over two mesh dims, gathered over one and then the other, in one
+    graph through the collective pass (it stopped Inductor before ``_without_cycles``).
 
     The batches start at seed 10 (``MOE_DATA_SEED``). A top-k router's choice is discrete: where a
     token's k-th and (k+1)-th scores are within fp32 rounding of each other, any other order of
