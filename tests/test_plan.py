@@ -185,15 +185,16 @@ def test_moe_layers_keep_their_experts_values_in_place_of_the_mlps():
     assert with_experts.activations - dense_layers_only.activations == 2 * extra  # both layers are MoE layers
 
 
-def test_mla_layers_keep_their_heads_latents_and_probabilities():
-    """Per token: 2 a (d_nope + d_rope) + 2 a d_v + 2 r_q + 1.5 r_kv + a seq values in place of the
-    query/key/value terms (2 a d + 2 g d); MLA with recompute is not predicted."""
+def test_mla_layers_keep_their_heads_latents_and_padded_values():
+    """Per token: 2 a (d_nope + d_rope) + 3 a max(d_nope + d_rope, d_v) + 2 r_q + 1.5 r_kv values in place of
+    the query/key/value terms (2 a d + 2 g d): the values padded to the query width for the CPU's
+    fused kernel (``layers.fused_attention``), so no probabilities; MLA with recompute is not predicted."""
     base = WORKED.validate(1)
     mla = base.replace(model=dataclasses.replace(base.model, multi_latent_attention=True, q_lora_rank=24,
-                                                 kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12))
-    a, d, seq, tokens = 4, 16, base.data.seq_length, base.run.micro_batch_size * base.data.seq_length
+                                                 kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6))
+    a, d, tokens = 4, 16, base.run.micro_batch_size * base.data.seq_length
     extra = layer_kept_bytes(mla, 1, "none") - layer_kept_bytes(base, 1, "none")
-    assert extra == tokens * 4 * (2 * a * 12 + 2 * a * 12 + 2 * 24 + 1.5 * 16 + a * seq - 2 * a * d - 2 * a * d)
+    assert extra == tokens * 4 * (2 * a * 12 + 3 * a * 12 + 2 * 24 + 1.5 * 16 - 2 * a * d - 2 * a * d)
     selective = mla.replace(model=dataclasses.replace(mla.model, recompute_granularity="selective"))
     assert plan_of(selective).unpredicted == ["model.multi_latent_attention with selective recompute"]
 

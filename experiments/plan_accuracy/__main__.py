@@ -201,7 +201,7 @@ def main(argv=None) -> None:
         chosen, argv = argv[at + 1].split(",") if at + 1 < len(argv) else [], argv[:at] + argv[at + 2:]
     options = parse_options("plan_accuracy", __doc__.splitlines()[0], argv)
     config = HERE / ("quick.yaml" if options.quick else "config.yaml")
-    cases = case_configs(config)
+    cases = all_cases = case_configs(config)
     if chosen is not None:
         unknown = [name for name in chosen if name not in cases]
         if unknown or not chosen:
@@ -212,11 +212,13 @@ def main(argv=None) -> None:
     if options.report_only:
         results = json.loads(path.read_text())
     else:
-        results = {name: run_case(name, config, options) for name in cases}
+        measured = {name: run_case(name, config, options) for name in cases}
         for name, (cfg, world) in cases.items():
-            results[name]["dry_run_bytes"] = dry_run_peak(cfg, world)
+            measured[name]["dry_run_bytes"] = dry_run_peak(cfg, world)
+        earlier = json.loads(path.read_text()) if chosen is not None and path.exists() else {}
+        results = {**earlier, **measured}  # --cases measures again only those it names
         write_json(path, results)
-    table, failures, numbers = report(cases, results, options)
+    table, failures, numbers = report({name: all_cases[name] for name in results if name in all_cases}, results, options)
     conclude(options, config, {name: r["seconds"] for name, r in results.items()}, failures, table, cases=numbers)
 
 

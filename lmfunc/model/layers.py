@@ -135,6 +135,19 @@ def positions_and_mask(tokens: torch.Tensor, positions: Optional[torch.Tensor],
     return positions, (attention_mask(doc_ids) if doc_ids is not None else None)
 
 
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, **options)``: q ``[B, a, S, d]``, k ``[B, g, T, d]``,
+    v ``[B, g, T, dv]`` -> ``[B, a, S, dv]``. Values narrower than the keys (MLA's ``v_head_dim``) are
+    zero-padded to ``d`` on the CPU, whose fused (flash) kernel takes one head dim only: without it
+    torch falls back to the math path, which materialises the masked scores ``[B, a, S, T]`` and
+    keeps them for the backward. The padded output columns are zeros and are dropped; the scale
+    ``1 / sqrt(d)`` depends on the queries only, so the result is the same."""
+    pad = q.shape[-1] - v.shape[-1]
+    if pad <= 0 or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, **options)
+    return F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)), **options)[..., :v.shape[-1]]
+
+
 def _attention_core(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
     cfg: ModelConfig, seed: Optional[torch.Tensor], stream: Stream,
@@ -154,9 +167,9 @@ def _attention_core(
         return (probs.to(v.dtype) @ v)
     enable_gqa = q.shape[1] != k.shape[1]
     if mask is None:
-        return run_local(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa),
+        return run_local(lambda q, k, v: fused_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa),
                          q, k, v)
-    return run_local(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=enable_gqa),
+    return run_local(lambda q, k, v, m: fused_attention(q, k, v, attn_mask=m, enable_gqa=enable_gqa),
                      q, k, v, mask)
 
 

@@ -117,14 +117,15 @@ EXPERT_PARALLEL_NOTE = ("dropless experts over ep are predicted at an even share
 where the router sends the tokens, which the plan cannot know, so it counts an even share. The
 measured cases are in docs/performance.md."""
 
-MLA_VALUES = {"query_key": 2, "value": 2, "q_latent": 2, "kv_latent": 1.5, "probabilities": 1}
+MLA_VALUES = {"query_key": 2, "value": 3, "q_latent": 2, "kv_latent": 1.5, "probabilities": 1}
 """Values a multi-head latent attention layer keeps per token (compute dtype), in place of the
 query, key and value terms of ``KEPT_PER_TOKEN`` (no recompute): its queries and keys (a heads of
-``qk_head_dim + qk_pos_emb_head_dim``), its values and output (a heads of ``v_head_dim``), the
-query latent and its normed copy, the key/value latent (and part of its normed copy), and the
-softmax probabilities of every head over the ``seq`` keys: the CPU's fused attention kernel needs
-equal query and value widths, so SDPA runs its math kernel, which keeps them. Fitted to five
-measured MLA cases on the CPU (latents, head widths and the width varied: within 1%)."""
+``qk_head_dim + qk_pos_emb_head_dim``), its values and output (a heads of ``v_head_dim``, zero-padded
+to the query width for the CPU's fused attention kernel, ``lmfunc.model.layers.fused_attention``),
+the query latent and its normed copy and the key/value latent (and part of its normed copy).
+Split over ``cp`` the attention runs SDPA's math kernel on the unpadded values, which also keeps
+the softmax probabilities of every head over the ``seq`` keys. Fitted to five measured MLA cases
+on the CPU (latents, head widths and the width varied: within 1.4%)."""
 
 HEAD_VALUES_PER_TOKEN = 7
 """fp32 hidden-size values per token outside the layers while the output layer runs: the embedding
@@ -247,9 +248,12 @@ def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1, m
         standard = dataclasses.replace(kept, query=0, kv=0)
         a = m.num_attention_heads / tp
         latent = m.kv_lora_rank * MLA_VALUES["kv_latent"] + (m.q_lora_rank or 0) * MLA_VALUES["q_latent"]
-        mla_values = (MLA_VALUES["query_key"] * a * (m.qk_head_dim + m.qk_pos_emb_head_dim)
-                      + MLA_VALUES["value"] * a * m.v_head_dim + latent
-                      + MLA_VALUES["probabilities"] * a * cfg.data.seq_length)
+        query_key = m.qk_head_dim + m.qk_pos_emb_head_dim
+        # one rank's sequence: the fused kernel on values padded to the query width; split over cp:
+        # the math kernel, which keeps the probabilities over the whole sequence
+        value_width, probabilities = (max(query_key, m.v_head_dim), 0) if cp == 1 else (m.v_head_dim, cfg.data.seq_length)
+        mla_values = (MLA_VALUES["query_key"] * a * query_key + MLA_VALUES["value"] * a * value_width + latent
+                      + MLA_VALUES["probabilities"] * a * probabilities)
         per_token = standard.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + moe_extra
         # with cp each layer also keeps the keys and values of the other ranks' tokens (every head)
         gathered_kv = (tokens - tokens / cp) * a * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) * compute_bytes
