@@ -25,7 +25,7 @@ def dry_run_of_worker(argv: list[str], world_size: int, gloo: bool = True) -> Ca
         step = make_train_step(run.cfg, run.tx, compile=True, backend=backend, **run.precision)
         return step, state, run.local_batch(run.batches[-1], layout)
 
-    with mock.patch("lmfunc.compiler.collective_buckets._on_gloo", return_value=gloo):
+    with mock.patch("lmfunc.compiler.gloo_reduce_scatter.on_gloo", return_value=gloo):
         return trace(world_size, 0, sizes, make, microbatches=2)
 
 

@@ -103,6 +103,26 @@ def test_a_pipeline_dry_run_reports_each_stage_role():
         assert role["projection"]["bubble_seconds"] == pytest.approx(role["projection"]["compute_seconds"] / 4)
 
 
+def test_a_peak_between_the_graphs_is_split_by_what_made_it():
+    """The pipeline recorder keeps, with its largest total between the graphs, what made each byte
+    alive then (the report's breakdown, and the out-of-memory message's largest term, when a rank
+    peaks outside its graphs), not what is alive at the end."""
+    import torch
+
+    from lmfunc.dryrun.pipeline import StepRecorder
+
+    recorder = StepRecorder()
+    with recorder:
+        first = torch.empty(1024)
+        second = torch.empty(512)
+        del first
+        third = torch.zeros(256)
+    assert recorder.peak_between_graphs == 6144
+    assert recorder.makers_at_peak == {"eager empty": 6144}
+    assert +recorder.by_maker == {"eager empty": 2048, "eager zeros": 1024}
+    del second, third
+
+
 def test_a_v_schedules_bubble_counts_its_two_stages_per_rank():
     """zbv on pp 2 holds two stages per rank (a V): Megatron's bubble ``(pp - 1) / (v m)`` with v = 2
     and 4 microbatches is an eighth of the compute, on both ranks."""

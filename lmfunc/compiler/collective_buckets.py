@@ -28,12 +28,7 @@ SimpleFSDP run:
 - **all-reduces** (``dp_replicate``: the step's gradients) are merged into buckets of at most
   ``bucket_size_mb`` MiB (Megatron's ``--ddp-bucket-size``) in the order their inputs are ready;
   each is issued as soon as its last input is, and waited for where its result is first used.
-- **gloo's reduce-scatter**: gloo has none; c10d all-reduces the whole tensor and keeps one chunk,
-  moving twice the bytes a reduce-scatter needs. On a gloo group each reduce-scatter (the FSDP
-  buckets and sequence parallelism's) is an all-to-all (every rank receives the other ranks'
-  copies of its own chunk) followed by a local sum over the ranks, in rank order: the bytes of a
-  ring reduce-scatter. With 2 ranks the sum is the same single addition, so the result is bitwise
-  the all-reduce's.
+- **gloo's reduce-scatter** becomes an all-to-all and a local sum (``lmfunc.compiler.gloo_reduce_scatter``).
 
 Gather and reduce-scatter buckets are runs of consecutive collectives (in graph order) of one
 region and one process group, so the collective order is the same on every rank. Only the tied
@@ -52,21 +47,20 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.fx_passes.bucketing import (
-    _resolve_group_name,
     is_all_gather_into_tensor,
     is_all_reduce_tensor,
-    is_all_to_all_tensor,
     is_reduce_scatter_tensor,
     is_wait_tensor,
     merge_all_gather_bucket,
     merge_all_reduce_bucket,
     merge_reduce_scatter_bucket,
-    process_collective_bucket,
 )
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.utils._ordered_set import OrderedSet
 
+from lmfunc.compiler import gloo_reduce_scatter
+from lmfunc.compiler.gloo_reduce_scatter import reduce_scatter_as_all_to_all, wait_of
 from lmfunc.parallel.placement import REGION_KEY
 
 DEFAULT_BUCKET_MB = 40.0
@@ -149,48 +143,6 @@ def _runs(nodes: list[tuple[fx.Node, Optional[str]]]) -> list[list[fx.Node]]:
     return runs
 
 
-def _on_gloo(collective: fx.Node) -> bool:
-    """Whether the collective runs on a gloo process group (CPU tensors)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        group = _resolve_process_group(_resolve_group_name(collective.args[-1]))
-        return dist.get_backend(group) == "gloo"
-    except (RuntimeError, ValueError, KeyError):
-        return False
-
-
-def _reduce_scatter_by_all_to_all(inputs: list[torch.Tensor], group_name: Any, group_size: int,
-                                  reduce_op: str) -> list[torch.Tensor]:
-    """A reduce-scatter of ``inputs[0]`` ``[group_size * n, ...]`` as an all-to-all and a sum over
-    the received ``[group_size, n, ...]`` copies of this rank's chunk: ``[n, ...]``."""
-    x = inputs[0]
-    chunk = x.shape[0] // group_size
-    received = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_to_all_single(
-        x, [chunk] * group_size, [chunk] * group_size, group_name))
-    total = received.view(group_size, chunk, *x.shape[1:]).sum(0)
-    return [total / group_size if reduce_op == "avg" else total]
-
-
-def _reduce_scatter_as_all_to_all(graph: fx.Graph, reduce_scatter: fx.Node) -> fx.Node:
-    """Replace a gloo reduce-scatter (sum or avg) by ``_reduce_scatter_by_all_to_all``, issued where
-    it was and waited for where its wait was; returns the all-to-all (or the reduce-scatter itself
-    where the rewrite does not apply)."""
-    _, reduce_op, group_size, group_name = reduce_scatter.args
-    if reduce_op not in ("sum", "avg") or not isinstance(group_name, str) or not _on_gloo(reduce_scatter):
-        return reduce_scatter
-    new_nodes, _ = process_collective_bucket(
-        graph, [reduce_scatter], _reduce_scatter_by_all_to_all,
-        lambda inputs: ([inputs[0].meta["val"]], group_name, group_size, reduce_op),
-        insert_before=reduce_scatter.next, wait_insertion_point=_wait_of(reduce_scatter))
-    return next(n for n in new_nodes if is_all_to_all_tensor(n))
-
-
-def _wait_of(collective: fx.Node) -> fx.Node:
-    return next(user for user in collective.users if is_wait_tensor(user))
-
-
 _MOVES = {
     torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, operator.getitem,
     torch.ops.aten.cat.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
@@ -241,7 +193,7 @@ def _reduce_shard_before_replicas(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
         wait.replace_all_uses_with(gradient)
         graph.erase_node(wait)
         graph.erase_node(all_reduce)
-        scattered = _wait_of(reduce_scatter)
+        scattered = wait_of(reduce_scatter)
         with graph.inserting_after(scattered):
             shard_reduce = graph.call_function(torch.ops._c10d_functional.all_reduce.default,
                                                (scattered, *replica_args))
@@ -259,7 +211,7 @@ def _issue_ahead(graph: fx.Graph, buckets: list[fx.Node]) -> None:
     bucket's wait, so it is in flight while the previous region computes."""
     for previous, current in zip(buckets, buckets[1:]):
         position = {n: i for i, n in enumerate(graph.nodes)}
-        wait = _wait_of(previous)
+        wait = wait_of(previous)
         if position[current] < position[wait]:
             continue
         feeding, stack = set(), [current]
@@ -277,7 +229,7 @@ def _defer_waits(graph: fx.Graph, buckets: list[fx.Node]) -> None:
     """Move each reduce-scatter bucket's wait after the next bucket's start: one region's
     reduction runs during the next region's backward."""
     for current, following in zip(buckets, buckets[1:]):
-        wait = _wait_of(current)
+        wait = wait_of(current)
         position = {n: i for i, n in enumerate(graph.nodes)}
         if position[wait] < position[following]:
             following.append(wait)
@@ -348,7 +300,7 @@ def _bucket_all_reduces(graph: fx.Graph, bucket_size_mb: float, scatter_bucket: 
         if len(bucket) < 2:
             continue
         last_input = max((i for n in bucket for i in n.all_input_nodes), key=position.__getitem__)
-        first_wait = min((_wait_of(n) for n in bucket), key=position.__getitem__)
+        first_wait = min((wait_of(n) for n in bucket), key=position.__getitem__)
         wait_at = first_wait if position[first_wait] > position[last_input] else None
         merge_all_reduce_bucket(graph, bucket, insert_before=last_input.next, wait_insertion_point=wait_at)
         stable_topological_sort(graph)
@@ -369,7 +321,7 @@ def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
     gather_buckets = []
     for run in _runs(fsdp_gathers):
         if len(run) > 1:
-            first_wait = min((_wait_of(n) for n in run), key=nodes.index)
+            first_wait = min((wait_of(n) for n in run), key=nodes.index)
             new_nodes, _ = merge_all_gather_bucket(graph, run, insert_before=run[0].next, wait_insertion_point=first_wait)
             run = [next(n for n in new_nodes if is_all_gather_into_tensor(n))]
         gather_buckets.append(run[0])
@@ -380,26 +332,26 @@ def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
         if len(run) > 1:
             new_nodes, _ = merge_reduce_scatter_bucket(graph, run, insert_before=run[-1].next)
             run = [next(n for n in new_nodes if is_reduce_scatter_tensor(n))]
-        scatter_buckets.append(_reduce_scatter_as_all_to_all(graph, run[0]))
+        scatter_buckets.append(reduce_scatter_as_all_to_all(graph, run[0]))
     stable_topological_sort(graph)
     _issue_ahead(graph, gather_buckets)
     _defer_waits(graph, scatter_buckets)
     stable_topological_sort(graph)
     # Inductor's scheduler reorders for peak memory; these edges keep the overlap it would undo.
-    order = {_wait_of(previous): OrderedSet([current]) for previous, current in zip(gather_buckets, gather_buckets[1:])}
-    order |= {_wait_of(current): OrderedSet([following]) for current, following in zip(scatter_buckets, scatter_buckets[1:])}
+    order = {wait_of(previous): OrderedSet([current]) for previous, current in zip(gather_buckets, gather_buckets[1:])}
+    order |= {wait_of(current): OrderedSet([following]) for current, following in zip(scatter_buckets, scatter_buckets[1:])}
     order |= _issue_before_next_matmul(graph, scatter_buckets)
     preserve_node_ordering(graph, _without_cycles(order))
     _bucket_all_reduces(graph, bucket_size_mb, {all_reduce: bucket_of.get(reduce_scatter)
                                                 for all_reduce, reduce_scatter in replica_reductions.items()})
     for node in [n for n in graph.nodes if is_reduce_scatter_tensor(n)]:
-        _reduce_scatter_as_all_to_all(graph, node)
+        reduce_scatter_as_all_to_all(graph, node)
     graph.lint()
 
 
 class CollectiveBucketsPass(CustomGraphPass):
     """``bucket_collectives`` as an Inductor ``post_grad_custom_post_pass``; its ``uuid`` (in the
-    compile caches' keys) hashes this file and the bucket size."""
+    compile caches' keys) hashes this file, the gloo rewrite's and the bucket size."""
 
     def __init__(self, bucket_size_mb: float = DEFAULT_BUCKET_MB):
         self.bucket_size_mb = bucket_size_mb
@@ -409,4 +361,4 @@ class CollectiveBucketsPass(CustomGraphPass):
             bucket_collectives(graph, self.bucket_size_mb)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,)) + repr(self.bucket_size_mb).encode()
+        return get_hash_for_files((__file__, gloo_reduce_scatter.__file__)) + repr(self.bucket_size_mb).encode()

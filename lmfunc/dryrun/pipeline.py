@@ -91,6 +91,8 @@ class StepRecorder(TorchDispatchMode):
         """Captured graph -> the bytes one call's new outputs hold, by the op that made each."""
         self.eager: list[tuple[str, str, int, int]] = []
         self.peak_between_graphs = 0
+        self.makers_at_peak: Counter = Counter()
+        """``by_maker`` when ``peak_between_graphs`` was reached."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -139,7 +141,8 @@ class StepRecorder(TorchDispatchMode):
         if not self.inside and not isinstance(func, torch._ops.HigherOrderOperator):
             self._record_collective(func, args)
             self.hold(out, f"eager {func.overloadpacket.__name__}")
-            self.peak_between_graphs = max(self.peak_between_graphs, self.live())
+            if self.live() > self.peak_between_graphs:
+                self.peak_between_graphs, self.makers_at_peak = self.live(), +self.by_maker
         return out
 
     def _record_collective(self, func, args) -> None:
@@ -310,15 +313,18 @@ def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str
     for kind, group, elements, nbytes in recorder.eager:
         add((kind, names.get(group, group)), 1, 1, elements, nbytes)
     collective_uses = [CollectiveUse(kind, dims, *entry) for (kind, dims), entry in sorted(uses.items())]
-    peak, at, largest = recorder.peak_between_graphs, "between the graphs", []
+    def kept_terms(live: int, makers: Counter) -> list[tuple[str, int]]:
+        return [("kept between the graphs (state, saved activations, gradients)", live),
+                *((f"  of it, {maker}", size) for maker, size in makers.most_common(4))]
+
+    peak, at = recorder.peak_between_graphs, "between the graphs"
+    largest = kept_terms(peak, recorder.makers_at_peak)
     for call, (index, live, freeable, makers) in enumerate(recorder.calls):
         scheduled = graphs[index].scheduled
         working = scheduled.peak_freeing(freeable)
         if live + working > peak:
             peak, at = live + working, f"call {call + 1} of {len(recorder.calls)}: captured graph {index}"
-            largest = [("kept between the graphs (state, saved activations, gradients)", live),
-                       *((f"  of it, {maker}", size) for maker, size in makers.most_common(4)),
-                       ("the graph's own buffers at its peak", working)]
+            largest = [*kept_terms(live, makers), ("the graph's own buffers at its peak", working)]
     if recorder.kept_per_call:
         index, kept = max(recorder.kept_per_call.items(), key=lambda item: sum(item[1].values()))
         largest.append((f"of what is kept, one call of captured graph {index} keeps", sum(kept.values())))
