@@ -261,15 +261,25 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
     return found
 
 
-def _without_cycles(order: dict[fx.Node, OrderedSet]) -> dict[fx.Node, OrderedSet]:
+def _without_cycles(graph: fx.Graph, order: dict[fx.Node, OrderedSet]) -> dict[fx.Node, OrderedSet]:
     """``order`` (each node to run after the nodes it maps to) less the edges that would close a
     cycle: a bucket that reads the one before it (a leaf split over two mesh dims is gathered over
     one, then over the other, and its gradient reduced the same way) cannot be issued before that
-    one's wait."""
-    kept = {}
-    for node, before in order.items():
-        after = _descendants(node)
-        kept[node] = OrderedSet(b for b in before if b not in after)
+    one's wait. ``graph`` is in topological order, so only the nodes between the two are searched."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+
+    def reads(later: fx.Node, earlier: fx.Node) -> bool:
+        seen, stack = set(), [later]
+        while stack:
+            node = stack.pop()
+            if node is earlier:
+                return True
+            if node not in seen and position[node] > position[earlier]:
+                seen.add(node)
+                stack.extend(node.all_input_nodes)
+        return False
+
+    kept = {node: OrderedSet(b for b in before if not reads(b, node)) for node, before in order.items()}
     return {node: before for node, before in kept.items() if before}
 
 
@@ -341,7 +351,7 @@ def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
     order = {wait_of(previous): OrderedSet([current]) for previous, current in zip(gather_buckets, gather_buckets[1:])}
     order |= {wait_of(current): OrderedSet([following]) for current, following in zip(scatter_buckets, scatter_buckets[1:])}
     order |= _issue_before_next_matmul(graph, scatter_buckets)
-    preserve_node_ordering(graph, _without_cycles(order))
+    preserve_node_ordering(graph, _without_cycles(graph, order))
     _bucket_all_reduces(graph, bucket_size_mb, {all_reduce: bucket_of.get(reduce_scatter)
                                                 for all_reduce, reduce_scatter in replica_reductions.items()})
     for node in [n for n in graph.nodes if is_reduce_scatter_tensor(n)]:

@@ -62,21 +62,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     row-parallel weights keep their output layouts (a split ``out`` dim, a ``Partial`` sum)."""
     if not isinstance(x, DTensor) or not {0, 1} <= {p.dim for p in x.placements if isinstance(p, Shard)}:
         return x @ w
-    mesh, local = x.device_mesh, x.to_local()
-    row_placements = [Shard(0) if isinstance(p, Shard) and p.dim < 2 else Shard(p.dim - 1) if isinstance(p, Shard)
-                      else p for p in x.placements]
-    row_shape = (x.shape[0] * x.shape[1], x.shape[2])
-    rows = DTensor.from_local(local.reshape(-1, local.shape[-1]), mesh, row_placements, run_check=False,
-                              shape=torch.Size(row_shape), stride=_contiguous_strides(row_shape))
-    out = rows @ w
+    out = _as_rows(x, _row_placements(x, features=True)) @ w
     if any(isinstance(p, Shard) and p.dim < 2 and o != Shard(0) for p, o in zip(x.placements, out.placements)):
         raise ValueError(f"linear: a weight {tuple(w.placements)} split over the dims that split the tokens "
                          f"{tuple(x.placements)}; gather it first (placement.gather)")
     placements = [p if isinstance(p, Shard) and p.dim < 2 else Shard(o.dim + 1) if isinstance(o, Shard) else o
                   for p, o in zip(x.placements, out.placements)]
-    shape = (x.shape[0], x.shape[1], out.shape[1])
-    return DTensor.from_local(out.to_local().reshape(*local.shape[:2], -1), mesh, placements, run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous_strides(shape))
+    return _as_tokens(out, x, placements)
 
 
 def gather_experts(p: torch.Tensor) -> torch.Tensor:
@@ -105,12 +97,7 @@ def tokens_as_rows(x: torch.Tensor) -> torch.Tensor:
     tokens' order, which token-wise work does not see; ``rows_as_tokens`` undoes it."""
     if not isinstance(x, DTensor):
         return x.reshape(-1, *x.shape[2:])
-    local = x.to_local()
-    placements = _row_placements(x)
-    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
-    rows = local.reshape(-1, *local.shape[2:])
-    return DTensor.from_local(rows, x.device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_strides(shape))
+    return _as_rows(x, _row_placements(x))
 
 
 def rows_as_tokens(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -121,19 +108,36 @@ def rows_as_tokens(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     want = _row_placements(like)
     if list(rows.placements) != want:
         rows = rows.redistribute(rows.device_mesh, want)
-    local_like = like.to_local()
-    local = rows.to_local().reshape(*local_like.shape[:2], *rows.shape[1:])
-    shape = (*like.shape[:2], *rows.shape[1:])
-    return DTensor.from_local(local, like.device_mesh, list(like.placements), run_check=False,
+    return _as_tokens(rows, like, list(like.placements))
+
+
+def _as_rows(x: DTensor, placements: list[Placement]) -> DTensor:
+    """``x`` ``[B, S, ...]`` as rows ``[B * S, ...]`` in ``placements``: each rank's local tokens
+    become its rows."""
+    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+    local = x.to_local()
+    return DTensor.from_local(local.reshape(-1, *local.shape[2:]), x.device_mesh, placements, run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_strides(shape))
 
 
-def _row_placements(x: DTensor) -> list[Placement]:
-    """The placements of ``tokens_as_rows(x)``: ``Shard(0)`` where ``x`` is split along the batch or
-    the sequence, the others kept."""
-    if any(isinstance(p, Shard) and p.dim not in (0, 1) for p in x.placements):
+def _as_tokens(rows: DTensor, like: DTensor, placements: list[Placement]) -> DTensor:
+    """``_as_rows`` undone: each rank's rows back as its tokens ``[B, S, ...]`` of ``like``, in
+    ``placements``."""
+    local_like = like.to_local()
+    local = rows.to_local().reshape(*local_like.shape[:2], *rows.to_local().shape[1:])
+    shape = (*like.shape[:2], *rows.shape[1:])
+    return DTensor.from_local(local, like.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_strides(shape))
+
+
+def _row_placements(x: DTensor, features: bool = False) -> list[Placement]:
+    """The placements of ``x``'s rows: ``Shard(0)`` where ``x`` is split along the batch or the
+    sequence, the others kept; a split feature dim moves down one (``features``) or is refused
+    (token-wise work needs whole tokens)."""
+    if not features and any(isinstance(p, Shard) and p.dim not in (0, 1) for p in x.placements):
         raise ValueError(f"tokens_as_rows: activations split along a feature dim ({x.placements}) are not tokens")
-    return [Shard(0) if isinstance(p, Shard) else p for p in x.placements]
+    return [Shard(0) if isinstance(p, Shard) and p.dim < 2 else Shard(p.dim - 1) if isinstance(p, Shard) else p
+            for p in x.placements]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
