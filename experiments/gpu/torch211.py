@@ -2,7 +2,7 @@
 machines' image (lmfunc pins 2.13; a CUDA build of 2.13 is too large to carry there).
 
 ``python -m experiments.gpu.torch211 DEST`` copies ``lmfunc/``, ``experiments/``, ``tests/`` and
-``pyproject.toml`` to DEST and applies four edits to the copy, never to this checkout:
+``pyproject.toml`` to DEST and applies five edits to the copy, never to this checkout:
 
 1. ``lmfunc.grad.value_and_grad`` differentiates through ``torch.func.grad_and_value`` while
    Dynamo traces it: torch 2.11's Dynamo refuses the ``requires_grad_()`` on fresh leaves that
@@ -13,9 +13,11 @@ machines' image (lmfunc pins 2.13; a CUDA build of 2.13 is too large to carry th
    dropless MoE step needs 2.13; eager MoE runs and compiled capacity-factor MoE work.
 2. The post-grad pre-passes (recompute, slice copies, reversed scans) are chained in one pass object: 2.11's
    Inductor takes one callable where 2.13 takes a list.
-3. ``collective_buckets`` imports ``_resolve_group_name`` only where it exists (2.13 added it).
+3. ``gloo_reduce_scatter`` imports ``_resolve_group_name`` only where it exists (2.13 added it).
 4. ``saved_values`` sizes a value with ``hint_int`` where ``optimization_hint`` (2.13) is missing;
    both give a size's hint, or the fallback for an unbacked one.
+5. ``compiling`` leaves out the ``aot_inductor.enable_line_tables`` setting, which 2.11's Inductor
+   lacks (it builds its CPU kernels with line tables; the kernels are the same).
 
 Each edit must match exactly once, or the script stops and names the file: a changed source
 needs this script updated, not a silently unpatched copy.
@@ -79,6 +81,9 @@ HINT_OLD = "from torch.fx.experimental.symbolic_shapes import optimization_hint\
 HINT_NEW = ("try:\n    from torch.fx.experimental.symbolic_shapes import optimization_hint\n"
             "except ImportError:\n    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint\n")
 
+LINE_TABLES_OLD = ',\n                                           "aot_inductor.enable_line_tables": False}'
+LINE_TABLES_NEW = "}"
+
 
 def replace_once(path: Path, old: str, new: str) -> None:
     """Replace the one occurrence of ``old`` in ``path``; stop with the file's name otherwise."""
@@ -117,8 +122,9 @@ def make_copy(dest: Path) -> None:
             shutil.copy2(source, dest / name)
     patch_grad(dest / "lmfunc" / "grad.py")
     replace_once(dest / "lmfunc" / "compiler" / "compiling.py", PASSES_OLD, PASSES_NEW)
-    replace_once(dest / "lmfunc" / "compiler" / "collective_buckets.py", BUCKETS_OLD, BUCKETS_NEW)
+    replace_once(dest / "lmfunc" / "compiler" / "gloo_reduce_scatter.py", BUCKETS_OLD, BUCKETS_NEW)
     replace_once(dest / "lmfunc" / "compiler" / "saved_values.py", HINT_OLD, HINT_NEW)
+    replace_once(dest / "lmfunc" / "compiler" / "compiling.py", LINE_TABLES_OLD, LINE_TABLES_NEW)
 
 
 if __name__ == "__main__":
