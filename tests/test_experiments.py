@@ -120,7 +120,8 @@ def test_scaling_study_quick(tmp_path):
     for layout in ("dp_shard2", "tp2"):
         bucketed, per_leaf = rows[layout]["collectives"], rows[f"{layout}_per_leaf"]["collectives"]
         assert sum(bucketed.values()) < sum(per_leaf.values()), (layout, bucketed, per_leaf)
-    assert rows["dp_shard2"]["collectives"]["all_gather_into_tensor"] == 4  # tiny: embed, 2 blocks, head
+    # tiny: embed, 2 blocks, head; the 2 blocks again in the backward (lmfunc.compiler.regather)
+    assert rows["dp_shard2"]["collectives"]["all_gather_into_tensor"] == 6
     assert rows["single_pair"]["vs_side_by_side"] == 1 and "single_quad" not in rows
     assert all(row["step_ms"] > 0 for name, row in rows.items() if not name.startswith("single_"))
     assert rows["dp_shard2"]["collectives"]["all_to_all_single"] == 5  # gloo's reduce-scatters; the tied embedding's twice

@@ -225,7 +225,14 @@ def test_lmfunc_prediction_by_layout_precision_and_recompute():
     single = predict_memory(base, {"dp_shard": 1})
     assert single.state == 12 * 123_520 and single.grads == 4 * 123_520 and single.compute_copies == 0
     fsdp = predict_memory(base, {"dp_shard": 2})
-    assert fsdp.state == single.state / 2 and fsdp.compute_copies == 4 * 123_520  # gathered for compute
+    # gathered for compute, two regions at a time: here the two layers (49,408 elements each), larger
+    # than the embedding (24,576) and the head (the final norm's 128 and the tied embedding again)
+    assert local_params(base.model, {"dp_shard": 1}, prefix="layers.0.") == 49_408
+    assert fsdp.state == single.state / 2 and fsdp.compute_copies == 4 * 2 * 49_408
+    # from the second microbatch on, the gradients accumulated over the first are held beside its values
+    assert base.run.global_batch_size > base.run.micro_batch_size
+    one_microbatch = base.replace(run=dataclasses.replace(base.run, global_batch_size=base.run.micro_batch_size))
+    assert single.peak == predict_memory(one_microbatch, {"dp_shard": 1}).peak + single.grads
     bf16 = predict_memory(base.replace(precision=dataclasses.replace(base.precision, compute_dtype="bf16")),
                           {"dp_shard": 1})
     assert bf16.compute_copies == 2 * 123_520 and bf16.activations < single.activations
@@ -313,24 +320,24 @@ def test_a_cuda_plan_counts_cublas_workspace(monkeypatch):
     assert predict_memory(cuda_cfg, {"dp_shard": 1}).workspace == 16 * 8 * 1024
 
 
-def test_context_parallel_divides_the_per_token_values_but_not_the_gathered_keys():
-    """cp 2: every per-token value counts half the sequence except the keys and values, which each
-    layer keeps gathered for the whole sequence; the peak falls in one attention backward, which
-    adds two dense [S/2, S] masks (fp32 here) and the query, key and value gradients, next to the
-    kept values and the gradient bucket."""
+def test_context_parallel_divides_every_per_token_value_and_gathers_the_keys_again():
+    """cp 2: every per-token value counts half the sequence, the keys and values too (the backward
+    gathers them again: ``lmfunc.compiler.regather``); the peak falls in one attention backward,
+    which adds two dense [S/2, S] masks (fp32 here), the whole sequence's keys and values gathered
+    again and the query, key and value gradients, next to the kept values and the gradient bucket."""
     m = dataclasses.replace(WORKED.model, activation="swiglu", normalization="RMSNorm")
     whole = WORKED.replace(model=m, run=RunConfig(micro_batch_size=2, global_batch_size=2))
     split = whole.replace(parallel=ParallelConfig(cp=2))
     one, two = plan_of(whole).lmfunc, plan_of(split, 2).lmfunc
-    tokens, kv = 2 * 128, m.query_groups * m.head_dim
-    kv_per_layer = 2 * kv * 4 * tokens  # the keys and values one layer keeps, fp32
+    kv = m.query_groups * m.head_dim
     assert two.state == one.state and two.grads == one.grads
-    assert two.activations == pytest.approx((one.activations - 2 * kv_per_layer) / 2 + 2 * kv_per_layer)
+    assert two.activations == pytest.approx(one.activations / 2)
     assert two.head == one.head // 2
     masks = 2 * 64 * 128 * 4  # mask batch 1 without document masks
     grads = 2 * (64 * m.num_attention_heads * m.head_dim + 2 * 128 * kv) * 4
-    assert two.attention_backward == masks + grads and one.attention_backward == 0
+    gathered = 2 * 2 * 128 * kv * 4  # the keys and values of both sequences, whole, fp32
+    assert two.attention_backward == masks + gathered + grads and one.attention_backward == 0
     assert two.peak == two.state + max(two.activations + two.head, two.activations + two.grads + two.attention_backward)
     docs = split.replace(data=dataclasses.replace(split.data, reset_attention_mask=True))
-    assert plan_of(docs, 2).lmfunc.attention_backward == 2 * masks + grads  # one mask per sequence
+    assert plan_of(docs, 2).lmfunc.attention_backward == 2 * masks + gathered + grads  # one mask per sequence
     assert "attention backward over cp" in format_plan(plan_of(split, 2))

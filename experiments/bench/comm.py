@@ -20,8 +20,10 @@ embedding twice):
 
 The compiled train step buckets them (``lmfunc.compiler.collective_buckets``). Expected for one
 step of M microbatches (no MTP, no tp):
-- FSDP: per microbatch one all-gather per region (embed, each block, head): L + 2; one
-  reduce-scatter per region's gradients: L + 2, plus 1 with tied embeddings (the embedding's
+- FSDP: per microbatch one all-gather per region (embed, each block, head) in the forward, and
+  each block's again in the backward (``lmfunc.compiler.regather``; the output layer's gradient is
+  made in the forward, the embedding's needs no weight): 2L + 2; one reduce-scatter per region's
+  gradients: L + 2, plus 1 with tied embeddings (the embedding's
   gradient from the output head comes at the start of the backward, its lookup's at the end),
   less the M - 1 pairs where one microbatch's last reduction and the next's first (both the tied
   embedding's) form one bucket. All-reduces: the global gradient norm over the shards.
@@ -29,8 +31,8 @@ step of M microbatches (no MTP, no tp):
   models).
 - With a loss mask, one more all-reduce: the step's token count.
 - Context parallelism (``cp``): per microbatch, an all-gather of each layer's keys and of its
-  values over ``cp`` in the forward (2L, each sending this rank's ``[B, S / cp, g, d]``; document
-  ids add one per forward) and the reduce-scatter of their gradients in the backward (2L, each
+  values over ``cp`` in the forward and again in the backward (4L, each sending this rank's
+  ``[B, S / cp, g, d]``; document ids add one per forward) and the reduce-scatter of their gradients in the backward (2L, each
   reducing the whole sequence's ``[B, S, g, d]``). The parameters are replicated over ``cp`` and
   their gradients partial sums: on a cp-only mesh the compiled step all-reduces them, with the
   loss sum, in one bucket (``bucket_size_mb``), as DDP does.
@@ -102,11 +104,11 @@ def expected_compiled_counts(cfg: ModelConfig, sizes: dict[str, int], microbatch
     counts = {kind: 0 for kind in KINDS} | {"all_reduce": int(loss_mask)}
     reduce_scatters = "all_to_all_single" if gloo else "reduce_scatter_tensor"
     if cp > 1:
-        counts["all_gather_into_tensor"] = microbatches * 2 * cfg.num_layers
+        counts["all_gather_into_tensor"] = microbatches * 4 * cfg.num_layers
         counts[reduce_scatters] = microbatches * 2 * cfg.num_layers
         counts["all_reduce"] += 1
     if sizes.get("dp_shard", 1) > 1:
-        counts["all_gather_into_tensor"] = microbatches * regions
+        counts["all_gather_into_tensor"] = microbatches * (regions + cfg.num_layers)
         tied = int(cfg.tie_embeddings)
         counts[reduce_scatters] = microbatches * (regions + tied) - tied * (microbatches - 1)
         counts["all_reduce"] += 1
@@ -118,14 +120,14 @@ def expected_compiled_counts(cfg: ModelConfig, sizes: dict[str, int], microbatch
 def expected_context_parallel_elements(cfg: ModelConfig, cp: int, batch: int, seq: int, microbatches: int,
                                        gloo: bool = True) -> dict[str, int]:
     """Elements the collectives of one compiled train step send on one rank of a cp-only mesh
-    (module docstring): per microbatch of ``batch`` sequences of ``seq`` tokens, 2L key/value
-    all-gathers of ``[batch, seq / cp, g, d]``, 2L gradient reduce-scatters of ``[batch, seq, g, d]``
+    (module docstring): per microbatch of ``batch`` sequences of ``seq`` tokens, 4L key/value
+    all-gathers of ``[batch, seq / cp, g, d]`` (forward and backward), 2L gradient reduce-scatters of ``[batch, seq, g, d]``
     (gloo's all-to-all takes the same input), and one all-reduce of every parameter's gradient and
     the loss sum (a partial sum over ``cp`` too, in the same bucket)."""
     kv = cfg.query_groups * cfg.head_dim
     reduce_scatters = "all_to_all_single" if gloo else "reduce_scatter_tensor"
     return {kind: 0 for kind in KINDS} | {
-        "all_gather_into_tensor": microbatches * 2 * cfg.num_layers * batch * seq // cp * kv,
+        "all_gather_into_tensor": microbatches * 4 * cfg.num_layers * batch * seq // cp * kv,
         reduce_scatters: microbatches * 2 * cfg.num_layers * batch * seq * kv,
         "all_reduce": sum(leaf.numel() for leaf in tree_leaves(gpt.param_shapes(cfg))) + 1,
     }

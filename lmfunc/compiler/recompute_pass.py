@@ -5,6 +5,8 @@ is traced into it), so AOTAutograd's partitioner never runs. Ops inside
 ``lmfunc.model.recompute.checkpointed`` regions arrive tagged "recompute"; this pass copies them
 into each backward pass (one per microbatch) right before their first use there and lets dead-code elimination
 drop the stored forward copies, so only the region inputs stay alive between forward and backward.
+The forward's all-gathers (FSDP's parameter gathers, sequence parallelism's input gathers) are
+tagged the same way (``lmfunc.compiler.regather``): each backward gathers the shards again.
 
 torch 2.13 ships a pass for this (``remat_using_tags_for_fwd_loss_bwd_graph``), but it accepts a
 single backward region — one microbatch — and refuses every op tagged ``nondeterministic_seeded``,
@@ -22,7 +24,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import cleanup_recompute_tags, must_recompute
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from lmfunc.compiler import cpp_flags, inplace_reuse, saved_values
+from lmfunc.compiler import collective_buckets, cpp_flags, inplace_reuse, regather, saved_values
 from lmfunc.compiler.saved_values import is_backward, tag_recompute
 
 
@@ -82,12 +84,15 @@ def _backward_groups(nodes: list[fx.Node]) -> list[list[fx.Node]]:
 
 
 def rematerialize(graph: fx.Graph, choose: bool = True) -> None:
-    """Recompute every "recompute"-tagged node in each backward group that uses it (in place).
+    """Recompute every "recompute"-tagged node in each backward group that uses it (in place); the
+    forward's all-gathers are tagged first (``regather.tag_forward_gathers``).
 
     choose: first tag the cheap forward ops whose recomputation shrinks the values kept for the
         backward (``lmfunc.compiler.saved_values``), as AOTAutograd's partitioner would.
     """
     cleanup_recompute_tags(graph.owning_module, is_default_partition=True)
+    if any(is_backward(node) for node in graph.nodes):
+        regather.tag_forward_gathers(graph, is_backward)
     if choose:
         tag_recompute(graph)
     nodes = list(graph.nodes)
@@ -125,8 +130,8 @@ def rematerialize(graph: fx.Graph, choose: bool = True) -> None:
 class RematPass(CustomGraphPass):
     """``rematerialize`` as an Inductor ``post_grad_custom_pre_pass``. Its ``uuid`` is in the key
     of Inductor's and AOTAutograd's caches: it hashes the sources of everything lmfunc changes in
-    a compile (this pass, the saved-value choice, the in-place reuse patch and the C++ compiler
-    flags), so a cached step compiled under other versions of them is not reused."""
+    a compile (this pass, the saved-value choice, the regather tags, the in-place reuse patch and
+    the C++ compiler flags), so a cached step compiled under other versions of them is not reused."""
 
     def __init__(self, choose: bool = True):
         self.choose = choose
@@ -135,6 +140,7 @@ class RematPass(CustomGraphPass):
         rematerialize(graph, self.choose)
 
     def uuid(self) -> bytes:
-        sources = (__file__, saved_values.__file__, inplace_reuse.__file__, cpp_flags.__file__)
+        sources = (__file__, saved_values.__file__, regather.__file__, collective_buckets.__file__,
+                   inplace_reuse.__file__, cpp_flags.__file__)
         return get_hash_for_files(sources) + bytes([self.choose])
 

@@ -1,9 +1,12 @@
-"""All-gathers made again in the backward of a compiled function that AOTAutograd partitions.
+"""All-gathers made again in the backward: the forward keeps the shards, not the gathered values.
 
-A compiled pipeline stage is one forward graph and one backward graph, split from the joint graph
-by AOTAutograd's partitioner, which saves every collective's result for the backward unless the
-collective is tagged for recompute (torch 2.13's ``force_save_collectives``). Two all-gathers of
-the forward have results the backward reads again:
+Both kinds of compiled function keep every collective's result for the backward unless told
+otherwise. A compiled pipeline stage is one forward graph and one backward graph, split from the
+joint graph by AOTAutograd's partitioner, which saves every collective's result unless the
+collective is tagged for recompute (torch 2.13's ``force_save_collectives``). The one compiled
+train step (forward, ``autograd.grad`` and update in one graph) has no partitioner:
+``lmfunc.compiler.saved_values`` never recomputes a collective, so every forward value the backward
+reads stays alive. Two all-gathers of the forward have results the backward reads again:
 - on a ``dp_shard`` mesh, each parameter's FSDP gather (the input gradient's matmul reads the
   whole parameter);
 - with sequence parallelism, each layer's input gathered over ``tp`` to the whole sequence (the
@@ -13,16 +16,20 @@ inputs until its backward: under 1F1B the first pipeline rank holds ``pp`` micro
 such copies. FSDP (torch's ``reshard_after_forward``, Megatron's) and Megatron's sequence-parallel
 linear layers keep the shards instead and gather again in the backward.
 
-``RegatherPass`` is an Inductor ``joint_custom_post_pass`` that makes the partitioner do the
-same: it tags each all-gather of the forward and its wait with ``CheckpointPolicy.MUST_RECOMPUTE``
-(with a parameter's gather also the casts and views between the parameter and the gather), so
-the backward gathers the shards again and only the shards are kept. A gather copies the same
+``tag_forward_gathers`` tags each all-gather of the forward and its wait with
+``CheckpointPolicy.MUST_RECOMPUTE`` (with a parameter's gather also the casts and views between
+the parameter and the gather), so the backward gathers the shards again and only the shards are
+kept. ``RegatherPass`` runs it as an Inductor ``joint_custom_post_pass`` on a stage's joint graph,
+before the partitioner; ``lmfunc.compiler.recompute_pass`` runs it on the one step's graph, before
+it chooses what else to recompute, and copies the tagged nodes into each microbatch's backward. A gather copies the same
 shards both times, so the values are the same. It costs one more all-gather per microbatch of
 each gathered value the backward reads, as FSDP's and Megatron's do, which the backward can
 overlap with its compute.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -58,13 +65,17 @@ def _gather_chain(all_gather: fx.Node) -> list[fx.Node]:
     return [*chain, all_gather, *(user for user in all_gather.users if is_wait_tensor(user))]
 
 
-def tag_forward_gathers(graph: fx.Graph) -> int:
-    """Tag every all-gather of the joint ``graph``'s forward (with its wait, and for a parameter
-    what leads to it) ``MUST_RECOMPUTE``; returns how many all-gathers were tagged."""
-    backward = _backward_nodes(graph)
+def tag_forward_gathers(graph: fx.Graph, in_backward: Optional[Callable[[fx.Node], bool]] = None) -> int:
+    """Tag every all-gather of ``graph``'s forward (with its wait, and for a parameter what leads
+    to it) ``MUST_RECOMPUTE``; returns how many all-gathers were tagged.
+
+    in_backward: whether a node belongs to the backward; by default a joint graph's, the nodes that
+        depend on an output's gradient."""
+    if in_backward is None:
+        in_backward = _backward_nodes(graph).__contains__
     count = 0
     for node in list(graph.nodes):
-        if is_all_gather_into_tensor(node) and node not in backward:
+        if is_all_gather_into_tensor(node) and not in_backward(node):
             for link in _gather_chain(node):
                 link.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             count += 1

@@ -7,8 +7,9 @@ traces ``autograd.grad`` into one graph, so that partitioner never runs and Indu
 forward buffer a backward op reads. ``choose_recompute`` solves the same problem on the one
 graph: a minimum s-t cut in which storing a forward value costs its bytes, values the step holds
 anyway (its inputs: params, batch, state) cost nothing, and expensive or random ops (matmuls,
-attention, reductions, collectives, RNG draws) may not be recomputed. The forward ops on the
-backward side of the cut are the ones to recompute; ``lmfunc.compiler.recompute_pass`` copies them into each
+attention, reductions, collectives, RNG draws) may not be recomputed, except what is tagged
+``MUST_RECOMPUTE`` before (the forward's all-gathers: ``lmfunc.compiler.regather``). The forward ops
+on the backward side of the cut are the ones to recompute; ``lmfunc.compiler.recompute_pass`` copies them into each
 backward pass.
 """
 

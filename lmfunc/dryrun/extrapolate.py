@@ -9,8 +9,8 @@ four coefficients come from traces at ``(L, M)`` = (1, 1), (2, 1), (1, 2), (2, 2
 (3, 3) is the proof: its collectives (counts, elements, bytes), FLOPs and input bytes must equal
 the formula's exactly, else the run is refused with the first number that differs. Peak memory is
 no such sum (the microbatches run one after another): it is fitted in the depth at 3
-microbatches (``_peak``), where Inductor's scheduler may place a buffer a little differently in a
-deeper graph, so it is held to the 3-layer trace within ``MEMORY_TOLERANCE``.
+microbatches, at 2 and 4 layers (``_peak``), where Inductor's scheduler may place a buffer a little
+differently in a deeper graph, so it is held to the 3-layer trace within ``MEMORY_TOLERANCE``.
 Only models whose layers are all alike extrapolate (all dense, or all MoE); a model that mixes
 them is traced whole.
 """
@@ -30,7 +30,15 @@ from lmfunc.parallel.mesh import Layout
 FIT_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 CHECK_POINT = (3, 3)
 MEMORY_TOLERANCE = 0.02
-"""How far the (3, 3) trace's peak may be from the fit's, relative."""
+"""How far the ``PEAK_CHECK_DEPTH``-layer trace's peak may be from the fit's, relative."""
+PEAK_FIT_DEPTHS = (2, 4)
+"""The depths the peak memory is fitted at. Not 1: with FSDP the backward gathers the next layer's
+parameters while a layer computes (``lmfunc.compiler.collective_buckets``), so from 2 layers on the
+peak holds two layers' gathered parameters, and a 1-layer step only one. Two layers apart: the
+peak of a deep FSDP step grows by alternating steps from one layer to the next (Llama-3-8B on
+dp_shard 8: 1.02 and 1.39 GiB), as Inductor pairs the layers' buffers."""
+PEAK_CHECK_DEPTH = 3
+"""The depth between the fit's whose trace the fit is held to."""
 WHOLE_STEP_LIMIT = 12
 """Steps of at most this many layer-microbatches (L x M) are traced whole."""
 
@@ -119,22 +127,34 @@ def _dry_run_facts(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
 
 def _peak(traced, layers: int, microbatches: int) -> tuple[int, str]:
     """The step's peak memory at ``layers`` and ``microbatches``, and how it was obtained: affine in
-    the depth at ``min(microbatches, 3)`` microbatches (fitted at 1 and 2 layers, held to the
-    3-layer trace within ``MEMORY_TOLERANCE``); beyond 3 microbatches, what the peak still grew from
-    2 to 3 microbatches is added for each further one (an upper bound), unless it stopped growing."""
+    the depth at ``min(microbatches, 3)`` microbatches (fitted at ``PEAK_FIT_DEPTHS`` layers, held
+    to the ``PEAK_CHECK_DEPTH``-layer trace within ``MEMORY_TOLERANCE``; a step no deeper than the
+    fit's depths is traced at its depth); beyond 3 microbatches, what the peak still grew from 2 to 3
+    microbatches is added for each further one (an upper bound), unless it stopped growing."""
     m = min(microbatches, 3)
-    peaks = {n: traced((n, m)).memory.peak for n in (1, 2, 3)}
-    slope = peaks[2] - peaks[1]
-    if abs(peaks[1] + 2 * slope - peaks[3]) > MEMORY_TOLERANCE * peaks[3]:
-        raise ConfigError(f"dry run: the peak memory at 3 layers ({peaks[3]:,} bytes) is not the {peaks[1] + 2 * slope:,}"
-                          f" that 1 and 2 layers predict (tolerance {MEMORY_TOLERANCE:.0%}): the layers' memory is not "
-                          "alike, so the peak cannot be extrapolated")
-    peak = peaks[1] + (layers - 1) * slope
-    how = f"peak memory affine in the depth at {m} microbatches (held to the 3-layer trace within {MEMORY_TOLERANCE:.0%})"
-    if microbatches <= 3:
-        return peak, how
-    growth = [peaks[n] - traced((n, 2)).memory.peak for n in (1, 2)]
-    per_microbatch = growth[0] + (layers - 1) * (growth[1] - growth[0])
+    if layers <= max(PEAK_FIT_DEPTHS):
+        peak = traced((layers, m)).memory.peak
+        if microbatches <= 3:
+            return peak, f"peak memory of the {layers}-layer trace at {m} microbatches"
+        how = f"peak memory of the {layers}-layer trace at 3 microbatches"
+        per_microbatch = peak - traced((layers, 2)).memory.peak
+    else:
+        low, high = PEAK_FIT_DEPTHS
+        peaks = {n: traced((n, m)).memory.peak for n in (*PEAK_FIT_DEPTHS, PEAK_CHECK_DEPTH)}
+        slope = (peaks[high] - peaks[low]) / (high - low)
+        predicted = round(peaks[low] + (PEAK_CHECK_DEPTH - low) * slope)
+        if abs(predicted - peaks[PEAK_CHECK_DEPTH]) > MEMORY_TOLERANCE * peaks[PEAK_CHECK_DEPTH]:
+            raise ConfigError(f"dry run: the peak memory at {PEAK_CHECK_DEPTH} layers ({peaks[PEAK_CHECK_DEPTH]:,} "
+                              f"bytes) is not the {predicted:,} that {low} and {high} layers predict (tolerance "
+                              f"{MEMORY_TOLERANCE:.0%}): the layers' memory is not alike, so the peak cannot be "
+                              "extrapolated")
+        peak = round(peaks[low] + (layers - low) * slope)
+        how = (f"peak memory affine in the depth at {m} microbatches (fitted at {low} and {high} layers, held to "
+               f"the {PEAK_CHECK_DEPTH}-layer trace within {MEMORY_TOLERANCE:.0%})")
+        if microbatches <= 3:
+            return peak, how
+        growth = [peaks[n] - traced((n, 2)).memory.peak for n in PEAK_FIT_DEPTHS]
+        per_microbatch = round(growth[0] + (layers - low) * (growth[1] - growth[0]) / (high - low))
     if per_microbatch <= MEMORY_TOLERANCE * peak:
         return peak, how + "; it no longer grows from 2 to 3 microbatches"
     return (peak + (microbatches - 3) * per_microbatch,

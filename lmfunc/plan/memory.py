@@ -7,7 +7,9 @@ What one rank holds during the compiled train step (``lmfunc.train.step``):
   writes into it and no second copy exists;
 - **gradients**: fp32, the same shards, accumulated over the microbatches;
 - **compute copies**: with bf16/fp16 compute, the parameters cast once per step; under FSDP the
-  parameters in their compute layout (gathered over ``dp_shard``), which the backward reads again;
+  parameters of the two largest regions in their compute layout (gathered over ``dp_shard``): the
+  step gathers one region's while the one before computes, in the forward and again in the backward
+  (``lmfunc.compiler.regather``), and keeps only the shards in between;
 - **activations** of one microbatch: the values each layer keeps for its backward pass
   (``KEPT_PER_TOKEN``), the embedding, final norm and output layer's working set, and one chunk
   of logits (``model.cross_entropy_chunk_tokens``; all logits without chunking).
@@ -18,7 +20,8 @@ multi-head latent attention layer keeps ``MLA_VALUES`` in place of the query, ke
 (measured without recompute only).
 
 The peak is the state plus the compute copies plus the larger of the forward-backward working set
-(activations, the output layer, the gradients made so far) and the optimizer phase (all gradients).
+(activations, the output layer, the gradients made so far; with more than one microbatch, all the
+gradients accumulated over the earlier ones) and the optimizer phase (all gradients).
 The per-token coefficients count the tensors the compiled step keeps on CPU (fp32 and bf16, every
 recompute granularity), measured with the allocator profiler; ``experiments/plan_accuracy``
 checks the prediction against measurements.
@@ -29,8 +32,8 @@ the layers' stacked fp32 gradients are held in full while every layer's values s
 (``SCAN_GRADIENT_COPIES``).
 
 With context parallelism (``cp``) every per-token value counts this rank's ``seq / cp`` tokens,
-except the keys and values each layer keeps for its backward: attention gathers them over ``cp``,
-so they cover the whole sequence. The gradients are a bucket of every parameter's gradient from
+the keys and values too: attention gathers them over ``cp`` in the forward and again in the
+backward (``lmfunc.compiler.regather``), so a layer keeps only its own tokens'. The gradients are a bucket of every parameter's gradient from
 the start of the backward (they are partial sums over ``cp``, all-reduced after it), and the peak
 falls inside the last layer's attention backward: the kernel takes its mask as a dense
 ``[seq / cp, seq]`` tensor in the compute dtype (``ATTENTION_MASK_COPIES``), and makes the whole
@@ -52,6 +55,7 @@ from typing import Optional
 import torch
 
 from lmfunc.config.model import ModelConfig
+from lmfunc.config.parallel import data_parallel_size
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
 from lmfunc.parallel.sharding import COMPUTE_RULES, DEFAULT_RULES, local_shape
@@ -221,10 +225,32 @@ def local_params(cfg: ModelConfig, sizes: dict[str, int], data_parallel_sharded:
                if path.startswith(prefix))
 
 
+def _region(path: str) -> str:
+    """The region (``lmfunc.parallel.placement.region``) whose collectives gather the leaf ``path``:
+    ``embed``, ``layers.<i>``, ``mtp.<k>``, or ``head`` (final norm, output layer)."""
+    parts = path.split(".")
+    if parts[0] in ("layers", "mtp"):
+        return ".".join(parts[:2])
+    return "embed" if parts[0] == "embed" else "head"
+
+
+def gathered_pair_elements(m: ModelConfig, sizes: dict[str, int]) -> int:
+    """Parameter elements, in their compute layout (FSDP shards gathered), of the two largest
+    regions: what the step holds gathered at once under FSDP (the tied embedding counts in both
+    ``embed`` and ``head``, which gather it each)."""
+    regions: dict[str, int] = {}
+    for path, spec in flatten_with_paths(gpt.param_specs(m), is_leaf=lambda x: hasattr(x, "axes")):
+        elements = math.prod(local_shape(spec.shape, spec.axes, sizes, COMPUTE_RULES))
+        regions[_region(path)] = regions.get(_region(path), 0) + elements
+        if m.tie_embeddings and path == "embed.tokens":
+            regions["head"] = regions.get("head", 0) + elements
+    return sum(sorted(regions.values())[-2:])
+
+
 def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1, moe: bool = False) -> float:
     """Bytes one transformer layer keeps for its backward pass over one microbatch on one
     tensor-parallel rank of a ``cp``-way context-parallel group (``KEPT_PER_TOKEN`` per local
-    token; the keys and values for every token of the sequence, gathered over ``cp``; GeLU keeps
+    token, the keys and values too: gathered over ``cp`` again in the backward; GeLU keeps
     one ffn-sized value fewer, QK-norm ``QK_NORM_VALUES`` more of queries and keys). An MoE layer (``moe``) keeps ``MOE_VALUES_PER_CHOICE`` for each of
     a token's experts and ``ROUTER_VALUES_PER_EXPERT`` instead of the MLP's values, plus a shared
     expert's as a dense MLP of its width (the experts are not split over ``tp``)."""
@@ -236,7 +262,6 @@ def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1, m
         kept = dataclasses.replace(kept, query=kept.query + QK_NORM_VALUES, kv=kept.kv + QK_NORM_VALUES)
     tokens = cfg.run.micro_batch_size * cfg.data.seq_length
     compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
-    gathered_kv = (tokens - tokens / cp) * kept.kv * m.query_groups * m.head_dim / tp * compute_bytes
     moe_extra = 0.0
     if moe:
         shared = m.moe_shared_expert_intermediate_size or 0
@@ -255,17 +280,16 @@ def layer_kept_bytes(cfg: TrainConfig, tp: int, granularity: str, cp: int = 1, m
         mla_values = (MLA_VALUES["query_key"] * a * query_key + MLA_VALUES["value"] * a * value_width + latent
                       + MLA_VALUES["probabilities"] * a * probabilities)
         per_token = standard.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + moe_extra
-        # with cp each layer also keeps the keys and values of the other ranks' tokens (every head)
-        gathered_kv = (tokens - tokens / cp) * a * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) * compute_bytes
-        return tokens / cp * (per_token + mla_values * compute_bytes) + gathered_kv
+        return tokens / cp * (per_token + mla_values * compute_bytes)
     per_token = kept.per_token_bytes(m, tp, m.sequence_parallel and tp > 1, compute_bytes) + moe_extra
-    return tokens / cp * per_token + gathered_kv
+    return tokens / cp * per_token
 
 
 def attention_backward_bytes(cfg: TrainConfig, tp: int, cp: int) -> int:
     """With ``cp`` > 1, what one layer's attention backward adds on one rank: the dense masks
-    (``ATTENTION_MASK_COPIES``) and the gradients of its local queries and of the whole sequence's
-    keys and values (reduce-scattered over ``cp`` after it; MLA's of every head); 0 without ``cp``."""
+    (``ATTENTION_MASK_COPIES``), the whole sequence's keys and values gathered again, and the
+    gradients of its local queries and of the whole sequence's keys and values (reduce-scattered
+    over ``cp`` after it; MLA's of every head); 0 without ``cp``."""
     if cp == 1:
         return 0
     m, b, s = cfg.model, cfg.run.micro_batch_size, cfg.data.seq_length
@@ -274,9 +298,9 @@ def attention_backward_bytes(cfg: TrainConfig, tp: int, cp: int) -> int:
     masks = ATTENTION_MASK_COPIES * mask_batch * (s // cp) * s * compute_bytes
     if m.multi_latent_attention:
         query_key = m.qk_head_dim + m.qk_pos_emb_head_dim
-        widths = m.num_attention_heads * (s // cp * query_key + s * (query_key + m.v_head_dim))
+        widths = m.num_attention_heads * (s // cp * query_key + 2 * s * (query_key + m.v_head_dim))
     else:
-        widths = (s // cp * m.num_attention_heads + 2 * s * m.query_groups) * m.head_dim
+        widths = (s // cp * m.num_attention_heads + 4 * s * m.query_groups) * m.head_dim
     return int(masks + b * widths / tp * compute_bytes)
 
 
@@ -304,7 +328,8 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     state, grads = 12 * params, 4 * params
     gathered = local_params(m, sizes, data_parallel_sharded=False)
     low_precision = compute_bytes < 4
-    compute_copies = (compute_bytes * gathered if low_precision or gathered != params else 0)
+    fsdp = gathered != params
+    compute_copies = compute_bytes * (gathered_pair_elements(m, sizes) if fsdp else gathered if low_precision else 0)
     tokens = cfg.run.micro_batch_size * cfg.data.seq_length // cp
     scanned = m.num_layers if m.scan_layers else 0
     unrolled = m.num_layers + m.mtp_num_layers - scanned
@@ -314,7 +339,10 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
                       + (moe_layers * layer_kept_bytes(cfg, tp, m.recompute_granularity, cp, moe=True) if moe_layers else 0))
     scan_gradients = SCAN_GRADIENT_COPIES * 4 * local_params(m, sizes, prefix="layers.") if scanned else 0
     head = head_bytes(cfg, tp, cp)
-    phases = [activations + scan_gradients + head, grads]
+    # from the second microbatch on, the gradients accumulated over the earlier ones are held too
+    dp = data_parallel_size(sizes)
+    accumulating = bool(cfg.run.global_batch_size) and cfg.run.global_batch_size > cfg.run.micro_batch_size * dp
+    phases = [activations + scan_gradients + head + (grads if accumulating else 0), grads]
     attention_backward = attention_backward_bytes(cfg, tp, cp)
     if cp > 1:
         phases.append(activations + grads + attention_backward)
