@@ -66,7 +66,7 @@ def test_what_the_run_would_refuse_is_refused_before_tracing(flags, message):
         dry_run([*TINY, *flags])
 
 
-@pytest.mark.slow  # eight traces of the tiny model: about two minutes
+@pytest.mark.slow  # ten traces of the tiny model: 2.3 minutes alone, 5 in CI beside another test
 def test_an_extrapolated_step_equals_the_whole_step_traced():
     """5 layers x 4 microbatches on dp_shard 2: the numbers extrapolated from 1-4 layers and 1-3
     microbatches equal those of the whole step traced at once (collectives and FLOPs exactly,
