@@ -5,8 +5,8 @@ is traced into it), so AOTAutograd's partitioner never runs. Ops inside
 ``lmfunc.model.recompute.checkpointed`` regions arrive tagged "recompute"; this pass copies them
 into each backward pass (one per microbatch) right before their first use there and lets dead-code elimination
 drop the stored forward copies, so only the region inputs stay alive between forward and backward.
-The forward's all-gathers (FSDP's parameter gathers, sequence parallelism's input gathers) are
-tagged the same way (``lmfunc.compiler.regather``): each backward gathers the shards again.
+The forward's all-gathers (FSDP's parameter gathers, sequence parallelism's input gathers, context
+parallelism's key and value gathers) are tagged the same way (``lmfunc.compiler.regather``): each backward gathers the shards again.
 
 torch 2.13 ships a pass for this (``remat_using_tags_for_fwd_loss_bwd_graph``), but it accepts a
 single backward region — one microbatch — and refuses every op tagged ``nondeterministic_seeded``,

@@ -6,11 +6,13 @@ joint graph by AOTAutograd's partitioner, which saves every collective's result 
 collective is tagged for recompute (torch 2.13's ``force_save_collectives``). The one compiled
 train step (forward, ``autograd.grad`` and update in one graph) has no partitioner:
 ``lmfunc.compiler.saved_values`` never recomputes a collective, so every forward value the backward
-reads stays alive. Two all-gathers of the forward have results the backward reads again:
+reads stays alive. Three all-gathers of the forward have results the backward reads again:
 - on a ``dp_shard`` mesh, each parameter's FSDP gather (the input gradient's matmul reads the
   whole parameter);
 - with sequence parallelism, each layer's input gathered over ``tp`` to the whole sequence (the
-  weight gradient's matmul reads it).
+  weight gradient's matmul reads it);
+- with context parallelism, each layer's keys and values gathered over ``cp`` (the attention
+  backward reads them).
 Saved, each microbatch in flight keeps its stage's gathered parameters and its layers' gathered
 inputs until its backward: under 1F1B the first pipeline rank holds ``pp`` microbatches, so ``pp``
 such copies. FSDP (torch's ``reshard_after_forward``, Megatron's) and Megatron's sequence-parallel
