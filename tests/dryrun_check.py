@@ -26,7 +26,7 @@ def dry_run_of_worker(argv: list[str], world_size: int, gloo: bool = True) -> Ca
         return step, state, run.local_batch(run.batches[-1], layout)
 
     with mock.patch("lmfunc.compiler.gloo_reduce_scatter.on_gloo", return_value=gloo):
-        return trace(world_size, 0, sizes, make, microbatches=2)
+        return trace(world_size, 0, sizes, make, microbatches=run.batches[-1]["tokens"].shape[0])
 
 
 def assert_dry_run_equals_measured(result: dict, argv: list[str], world_size: int) -> None:

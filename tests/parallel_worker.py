@@ -1,7 +1,7 @@
 """One multi-rank parity run, launched by tests/test_parallel.py with torchrun.
 
 Usage: torchrun --nproc-per-node N tests/parallel_worker.py LAYOUT OUT.json [--compile] [--sp] [--mtp] [--fp16]
-[--moe] [--mla] [--capacity] [--data-seed=N] (or several such cases, each after ``--case``:
+[--moe] [--mla] [--capacity] [--data-seed=N] [--microbatches=N] (or several such cases, each after ``--case``:
 ``tests.worker_cases``).
 LAYOUT is e.g. ``dp_shard=2`` or ``dp_shard=2,tp=2`` (``ParallelConfig`` fields: ``dp_shard=2,ep=2``
 splits the experts over 2 of the 2 data-parallel shard ranks). Trains the tiny model (with one MTP depth
@@ -11,7 +11,8 @@ compiled, the collectives one more step issues. ``--fp16`` computes in fp16 with
 scaling on both sides. ``--moe`` makes the second layer an MoE layer (``MOE_SETTINGS``: sigmoid
 routing with the expert bias, a shared expert, router losses), ``--capacity`` gives its experts a
 capacity that drops nothing (the static-shape dispatch), ``--mla`` the attention MLA.
-``--data-seed=N`` draws the batches from seeds N, N + 1, ... (default 0).
+``--data-seed=N`` draws the batches from seeds N, N + 1, ... (default 0); ``--microbatches=N``
+splits each global batch into N microbatches of 4 sequences (default 2).
 """
 
 import dataclasses
@@ -83,7 +84,9 @@ def worker_run(argv: list[str]) -> WorkerRun:
     fp16 = "--fp16" in argv
     precision = {"compute_dtype": torch.float16, "loss_scale": LossScaleConfig(initial_scale=2.0**15)} if fp16 else {}
     first_seed = next((int(a.split("=")[1]) for a in argv if a.startswith("--data-seed=")), 0)
-    batches = [lm_batch(cfg.vocab_size, microbatches=2, batch=4, seq=16, seed=first_seed + i) for i in range(STEPS)]
+    microbatches = next((int(a.split("=")[1]) for a in argv if a.startswith("--microbatches=")), 2)
+    batches = [lm_batch(cfg.vocab_size, microbatches=microbatches, batch=4, seq=16, seed=first_seed + i)
+               for i in range(STEPS)]
     return WorkerRun(fields, cfg, adamw(1e-3, weight_decay=0.1), precision, batches)
 
 

@@ -32,7 +32,8 @@ def test_inductor_compiles_on_the_first_call_after_dynamo_capture(monkeypatch):
     assert events == []
     for _ in range(3):
         assert float(step(torch.ones(4), torch.full((4,), 3.0))) == 12.0
-    assert events == ["release", ("inductor", True, ["RematPass", "SliceCopyPass", "ReversedScanPass"]), "release"]
+    assert events == ["release", ("inductor", True, ["RematPass", "SliceCopyPass", "ReversedScanPass",
+                                                    "AccumulationOrderPass"]), "release"]
 
     events.clear()
     eager = compiling.compile_step(lambda x, y: (x * y).sum(), backend="eager")

@@ -41,10 +41,11 @@ def test_microbatches_give_the_same_loss_and_grads_as_one_batch(tiny_state):
 
 
 def _side_by_side(step_a, step_b, state_a, state_b, keys, tol):
-    """Run both steps over the same 3 batches, asserting the metrics in ``keys`` agree to ``tol``;
+    """Run both steps over the same 3 batches of 3 microbatches (the compiled step orders its sums
+    of microbatch gradients between them, ``lmfunc.compiler.accumulation_order``), asserting the metrics in ``keys`` agree to ``tol``;
     returns both final states."""
     for i in range(3):
-        batch = lm_batch(TINY.vocab_size, microbatches=2, batch=2, seq=16, seed=i)
+        batch = lm_batch(TINY.vocab_size, microbatches=3, batch=2, seq=16, seed=i)
         state_a, metrics_a = step_a(state_a, batch)
         state_b, metrics_b = step_b(state_b, batch)
         for key in keys:

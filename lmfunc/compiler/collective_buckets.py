@@ -31,9 +31,10 @@ SimpleFSDP run:
 - **gloo's reduce-scatter** becomes an all-to-all and a local sum (``lmfunc.compiler.gloo_reduce_scatter``).
 
 Gather and reduce-scatter buckets are runs of consecutive collectives (in graph order) of one
-region and one process group, so the collective order is the same on every rank. Only the tied
-embedding's two gradient reductions, one at the end of a microbatch's backward and one at the
-start of the next's, can form one run. The numbers do not change: a bucketed collective moves
+region and one process group, so the collective order is the same on every rank. A run ends at a
+sum of microbatch gradients (``lmfunc.compiler.accumulation_order``): the tied embedding's two
+gradient reductions, one at the end of a microbatch's backward and one at the start of the next's,
+stay two, so that the first microbatch's gradients are summed before the next begins. The numbers do not change: a bucketed collective moves
 the same values and reduces each element over the same ranks; the HSDP swap sums each element
 over the same ranks in another order (rel 1e-7 in fp32).
 """
@@ -59,7 +60,8 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.utils._ordered_set import OrderedSet
 
-from lmfunc.compiler import gloo_reduce_scatter
+from lmfunc.compiler import accumulation_order, gloo_reduce_scatter
+from lmfunc.compiler.accumulation_order import ACCUMULATION_KEY, reachable
 from lmfunc.compiler.gloo_reduce_scatter import reduce_scatter_as_all_to_all, wait_of
 from lmfunc.parallel.placement import REGION_KEY
 
@@ -128,18 +130,20 @@ def _group(node: fx.Node) -> Any:
     return str(node.args[-1])
 
 
-def _runs(nodes: list[tuple[fx.Node, Optional[str]]]) -> list[list[fx.Node]]:
-    """Maximal runs of consecutive collectives with the same region and process group; those
-    without a region are left out."""
+def _runs(nodes: list[tuple[fx.Node, Optional[str]]], barriers: frozenset[int] = frozenset()) -> list[list[fx.Node]]:
+    """Maximal runs of consecutive collectives with the same region and process group, none
+    across a node whose graph position is in ``barriers``; those without a region are left out."""
     runs: list[list[fx.Node]] = []
-    key = None
+    key, previous = None, None
+    position = {n: i for i, n in enumerate(nodes[0][0].graph.nodes)} if nodes and barriers else {}
     for node, region in nodes:
         this = (region, _group(node)) if region is not None else None
-        if this is not None and this == key:
+        crossed = barriers and previous is not None and any(position[previous] < b < position[node] for b in barriers)
+        if this is not None and this == key and not crossed:
             runs[-1].append(node)
         elif this is not None:
             runs.append([node])
-        key = this
+        key, previous = this, node
     return runs
 
 
@@ -252,13 +256,7 @@ def _issue_before_next_matmul(graph: fx.Graph, buckets: list[fx.Node]) -> dict[f
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
-    found, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in found:
-                found.add(user)
-                stack.append(user)
-    return found
+    return reachable([node], lambda n: n.users)
 
 
 def _without_cycles(graph: fx.Graph, order: dict[fx.Node, OrderedSet]) -> dict[fx.Node, OrderedSet]:
@@ -337,7 +335,8 @@ def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
         gather_buckets.append(run[0])
     reductions = [(n, _gradient_region(n, regions)) for n in graph.nodes if is_reduce_scatter_tensor(n)]
     scatter_buckets, bucket_of = [], {}
-    for run in _runs(reductions):
+    sums = frozenset(i for i, n in enumerate(graph.nodes) if ACCUMULATION_KEY in n.meta.get("custom", {}))
+    for run in _runs(reductions, sums):
         bucket_of |= dict.fromkeys(run, len(scatter_buckets))
         if len(run) > 1:
             new_nodes, _ = merge_reduce_scatter_bucket(graph, run, insert_before=run[-1].next)
@@ -371,4 +370,4 @@ class CollectiveBucketsPass(CustomGraphPass):
             bucket_collectives(graph, self.bucket_size_mb)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, gloo_reduce_scatter.__file__)) + repr(self.bucket_size_mb).encode()
+        return get_hash_for_files((__file__, gloo_reduce_scatter.__file__, accumulation_order.__file__)) + repr(self.bucket_size_mb).encode()

@@ -26,6 +26,7 @@ import torch._inductor
 
 from lmfunc.compiler import inplace_reuse
 from lmfunc.compiler.cpp_flags import gcc_flags_for_correct_kernels
+from lmfunc.compiler.accumulation_order import AccumulationOrderPass
 from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB, CollectiveBucketsPass
 from lmfunc.compiler.isa_probe import start_vec_isa_probe
 from lmfunc.compiler.kernel_batches import batched_cpu_kernels
@@ -232,11 +233,13 @@ def with_own_code(fn: Callable) -> Callable:
 
 def inductor_options(choose_saved: bool, bucket_size_mb: Optional[float] = DEFAULT_BUCKET_MB) -> dict[str, Any]:
     """The Inductor config options of every lmfunc compile: the recompute pass on the step's
-    graph, the slice copies of scan bodies made fusible (``view_copies``) and the lowering of the
-    backward's reversed scans (``reversed_scan``), then the
+    graph, the slice copies of scan bodies made fusible (``view_copies``), the lowering of the
+    backward's reversed scans (``reversed_scan``) and each microbatch's gradients summed before the
+    next microbatch (``accumulation_order``), then the
     bucketing and overlap of its collectives (``collective_buckets``; all-reduce buckets of at
     most ``bucket_size_mb`` MiB; None: no such pass)."""
-    options: dict[str, Any] = {"post_grad_custom_pre_pass": [RematPass(choose_saved), SliceCopyPass(), ReversedScanPass()]}
+    options: dict[str, Any] = {"post_grad_custom_pre_pass": [RematPass(choose_saved), SliceCopyPass(), ReversedScanPass(),
+                                                              AccumulationOrderPass()]}
     if bucket_size_mb is not None:
         options["post_grad_custom_post_pass"] = CollectiveBucketsPass(bucket_size_mb)
     return options

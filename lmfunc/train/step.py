@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config import ModelConfig
+from lmfunc.compiler.accumulation_order import mark_accumulation
 from lmfunc.grad import value_and_grad
 from lmfunc.model import moe
 from lmfunc.loss import LossOutput, lm_loss
@@ -217,7 +218,11 @@ def make_train_step(
             seed = microbatch_seed(state, i) if dropout else None
             (_, out), grads = grad_fn(state.params, micro, grad_scale, seed)
             leaves = tree_leaves(grads)
-            grad_leaves = leaves if grad_leaves is None else torch._foreach_add(grad_leaves, leaves)
+            if grad_leaves is None:
+                grad_leaves = leaves
+            else:
+                with mark_accumulation(i):
+                    grad_leaves = torch._foreach_add(grad_leaves, leaves)
             loss_total = loss_total + main_loss(out)
             if cfg.mtp_num_layers:
                 mtp_sums, mtp_counts = mtp_sums + out.mtp_loss_sums, mtp_counts + out.mtp_num_tokens
