@@ -80,10 +80,14 @@ def test_plan_accuracy_study_quick(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_plan_accuracy_study_quick_on_several_ranks(tmp_path):
-    """The torchrun cases (cp 2; dp_shard 2 x ep 2): the most-loaded rank within 15%."""
+    """The torchrun cases (cp 2; dp_shard 2 x ep 2): the most-loaded rank within 15%. On cp 2 the
+    dry run's peak is within 5% of the measured one: it counts the gradients' all-reduce bucket from
+    the backward's first gradient on, which is written into it (-11.4% when it was counted only from
+    the concatenation on, ``lmfunc.dryrun.capture``)."""
     cases = run_quick("plan_accuracy", tmp_path, "--cases", ",".join(PLAN_ACCURACY_SEVERAL_RANKS))["cases"]
     assert set(cases) == set(PLAN_ACCURACY_SEVERAL_RANKS)
     assert all(abs(c["error"]) <= 0.15 and "dry_run_mib" in c for c in cases.values())
+    assert abs(cases["quick_cp2"]["dry_run_error"]) <= 0.05, cases["quick_cp2"]
 
 
 def test_a_plan_accuracy_case_that_the_config_lacks_is_named():

@@ -106,6 +106,28 @@ def _input_last_uses(lowering, nodes: list) -> tuple[tuple[int, int, int], ...]:
     return tuple(uses)
 
 
+def _allocate_with_first_writer(infos: list) -> None:
+    """Correct Inductor's buffer timeline (``torch._inductor.memory.BufferInfo``s, in place) for
+    buffers written in slices: a concatenation's inputs (a collective bucket's gradients, say) are
+    computed straight into their slices of its buffer (``ir.NonOwningLayout``), so the compiled code
+    allocates that buffer before its first slice is written, not at the concatenation, and the
+    slices allocate nothing. Inductor's timeline counts each slice from its writer and the whole
+    buffer from the concatenation on: a data-parallel step's gradient bucket, written from the
+    backward's first gradient on, went missing from the peak."""
+    from torch._inductor.ir import NonOwningLayout
+
+    by_name = {info.buffer.get_name(): info for info in infos}
+    for info in infos:
+        layout = getattr(getattr(info.buffer, "node", None), "layout", None)
+        if not isinstance(layout, NonOwningLayout):
+            continue
+        owner = by_name.get(layout.view.get_name())
+        if owner is None:
+            continue
+        owner.start_step = min(owner.start_step, info.start_step)
+        info.size_alloc = info.size_free = 0
+
+
 def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
     """``ScheduledMemory`` of a ``GraphLowering`` whose scheduler has been built."""
     from torch._inductor.memory import compute_memory_timeline, peak_memory_from_buf_info_list, prepare_planning_info
@@ -115,6 +137,7 @@ def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
     nodes, outputs = scheduler.nodes, OrderedSet(lowering.get_output_names())
     _, freeable = prepare_planning_info(nodes, scheduler.name_to_buf, scheduler.name_to_fused_node, OrderedSet(), outputs)
     infos, _, _ = compute_memory_timeline(nodes, freeable, outputs)
+    _allocate_with_first_writer(infos)
     peak, per_step = peak_memory_from_buf_info_list(infos, len(nodes))
     at = max(range(len(per_step)), key=per_step.__getitem__) if per_step else 0
     live = [info for info in infos if info.start_step <= at and (info.end_step == -1 or info.end_step >= at)]
