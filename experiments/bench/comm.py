@@ -23,12 +23,10 @@ step of M microbatches (no MTP, no tp):
 - FSDP: per microbatch one all-gather per region (embed, each block, head) in the forward, and
   each block's again in the backward (``lmfunc.compiler.regather``; the output layer's gradient is
   made in the forward, the embedding's needs no weight): 2L + 2; one reduce-scatter per region's
-  gradients: L + 2, plus 1 with tied embeddings (the embedding's
-  gradient from the output head comes at the start of the backward, its lookup's at the end),
-  less one where the first microbatch's last reduction and the second's first (both the tied
-  embedding's) form one bucket; from the second microbatch on, the gradients' sum lies between
-  one microbatch and the next (``lmfunc.compiler.accumulation_order``), so those stay two.
-  All-reduces: the global gradient norm over the shards.
+  gradients: L + 2, plus 1 with tied embeddings (the embedding's gradient from the output head
+  comes at the start of the backward, its lookup's at the end; no bucket spans two microbatches:
+  ``lmfunc.compiler.accumulation_order.mark_microbatch``). All-reduces: the global gradient norm
+  over the shards.
 - DDP (dp_replicate): the gradients in buckets of ``bucket_size_mb`` (one bucket for these
   models).
 - With a loss mask, one more all-reduce: the step's token count.
@@ -112,7 +110,7 @@ def expected_compiled_counts(cfg: ModelConfig, sizes: dict[str, int], microbatch
     if sizes.get("dp_shard", 1) > 1:
         counts["all_gather_into_tensor"] = microbatches * (regions + cfg.num_layers)
         tied = int(cfg.tie_embeddings)
-        counts[reduce_scatters] = microbatches * (regions + tied) - tied * min(microbatches - 1, 1)
+        counts[reduce_scatters] = microbatches * (regions + tied)
         counts["all_reduce"] += 1
     if sizes.get("dp_replicate", 1) > 1:
         counts["all_reduce"] += 1

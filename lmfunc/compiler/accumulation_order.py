@@ -14,6 +14,11 @@ that sum ``k + 1`` needs (the next microbatch's first) depend on sum ``k``'s res
 (``control_deps``). Inductor realizes a ``control_deps`` input as its own buffer, and fusing sum
 ``k`` into sum ``k + 1`` would now be a cycle, so sum ``k`` runs between the microbatches and
 ``g_k`` is freed there. The values are the same: the same additions in the same order.
+
+``mark_microbatch(k)`` marks where microbatch ``k`` starts (its slice of the batch): the collective
+pass ends a bucket of gradient reductions there. A bucket across two microbatches (the tied
+embedding's two reductions, one at the end of a microbatch's backward and one at the start of the
+next's) would hold the first's gradients until the next one's backward, after the sum.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.fx.traceback import annotate
 from torch.utils._ordered_set import OrderedSet
 
 ACCUMULATION_KEY = "lmfunc_gradient_sum"
+MICROBATCH_KEY = "lmfunc_microbatch"
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
@@ -39,6 +45,20 @@ def mark_accumulation(index: int) -> Iterator[None]:
     for eager execution."""
     with annotate({ACCUMULATION_KEY: index}):
         yield
+
+
+@contextlib.contextmanager
+def mark_microbatch(index: int) -> Iterator[None]:
+    """Mark what is traced inside as the start of the step's ``index``-th microbatch (its slice of
+    the batch); a no-op for eager execution. ``lmfunc.compiler.collective_buckets`` ends a bucket of
+    gradient reductions there, so that no bucket spans two microbatches."""
+    with annotate({MICROBATCH_KEY: index}):
+        yield
+
+
+def microbatch_starts(graph: fx.Graph) -> frozenset[int]:
+    """The graph positions of the nodes marked by ``mark_microbatch``."""
+    return frozenset(i for i, node in enumerate(graph.nodes) if MICROBATCH_KEY in node.meta.get("custom", {}))
 
 
 def _sums(graph: fx.Graph) -> dict[int, list[fx.Node]]:

@@ -31,12 +31,13 @@ SimpleFSDP run:
 - **gloo's reduce-scatter** becomes an all-to-all and a local sum (``lmfunc.compiler.gloo_reduce_scatter``).
 
 Gather and reduce-scatter buckets are runs of consecutive collectives (in graph order) of one
-region and one process group, so the collective order is the same on every rank. A run ends at a
-sum of microbatch gradients (``lmfunc.compiler.accumulation_order``): the tied embedding's two
-gradient reductions, one at the end of a microbatch's backward and one at the start of the next's,
-stay two, so that the first microbatch's gradients are summed before the next begins. The numbers do not change: a bucketed collective moves
-the same values and reduces each element over the same ranks; the HSDP swap sums each element
-over the same ranks in another order (rel 1e-7 in fp32).
+region and one process group, so the collective order is the same on every rank. A run ends
+where a microbatch starts (``lmfunc.compiler.accumulation_order.mark_microbatch``): the tied
+embedding's two gradient reductions, one at the end of a microbatch's backward and one at the
+start of the next's, stay two, so that each microbatch's gradients are summed before the next
+begins and every microbatch issues the same collectives. The numbers do not change: a bucketed collective moves the same values and reduces
+each element over the same ranks; the HSDP swap sums each element over the same ranks in another
+order (rel 1e-7 in fp32).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.utils._ordered_set import OrderedSet
 
 from lmfunc.compiler import accumulation_order, gloo_reduce_scatter
-from lmfunc.compiler.accumulation_order import ACCUMULATION_KEY, reachable
+from lmfunc.compiler.accumulation_order import microbatch_starts, reachable
 from lmfunc.compiler.gloo_reduce_scatter import reduce_scatter_as_all_to_all, wait_of
 from lmfunc.parallel.placement import REGION_KEY
 
@@ -335,8 +336,7 @@ def bucket_collectives(graph: fx.Graph, bucket_size_mb: float) -> None:
         gather_buckets.append(run[0])
     reductions = [(n, _gradient_region(n, regions)) for n in graph.nodes if is_reduce_scatter_tensor(n)]
     scatter_buckets, bucket_of = [], {}
-    sums = frozenset(i for i, n in enumerate(graph.nodes) if ACCUMULATION_KEY in n.meta.get("custom", {}))
-    for run in _runs(reductions, sums):
+    for run in _runs(reductions, microbatch_starts(graph)):
         bucket_of |= dict.fromkeys(run, len(scatter_buckets))
         if len(run) > 1:
             new_nodes, _ = merge_reduce_scatter_bucket(graph, run, insert_before=run[-1].next)

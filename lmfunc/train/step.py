@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from lmfunc.config import ModelConfig
-from lmfunc.compiler.accumulation_order import mark_accumulation
+from lmfunc.compiler.accumulation_order import mark_accumulation, mark_microbatch
 from lmfunc.grad import value_and_grad
 from lmfunc.model import moe
 from lmfunc.loss import LossOutput, lm_loss
@@ -214,7 +214,8 @@ def make_train_step(
         router = None
         grad_leaves = None
         for i in range(num_micro):
-            micro = {k: v[i] for k, v in batch.items()}
+            with mark_microbatch(i):
+                micro = {k: v[i] for k, v in batch.items()}
             seed = microbatch_seed(state, i) if dropout else None
             (_, out), grads = grad_fn(state.params, micro, grad_scale, seed)
             leaves = tree_leaves(grads)
