@@ -35,9 +35,9 @@ region and one process group, so the collective order is the same on every rank.
 where a microbatch starts (``lmfunc.compiler.accumulation_order.mark_microbatch``): the tied
 embedding's two gradient reductions, one at the end of a microbatch's backward and one at the
 start of the next's, stay two, so that each microbatch's gradients are summed before the next
-begins and every microbatch issues the same collectives. The numbers do not change: a bucketed collective moves the same values and reduces
-each element over the same ranks; the HSDP swap sums each element over the same ranks in another
-order (rel 1e-7 in fp32).
+begins and every microbatch issues the same collectives. The numbers do not change: a bucketed
+collective moves the same values and reduces each element over the same ranks; the HSDP swap sums
+each element over the same ranks in another order (rel 1e-7 in fp32).
 """
 
 from __future__ import annotations
