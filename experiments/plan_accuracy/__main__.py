@@ -9,8 +9,12 @@ the CPU's equivalent of ``torch.cuda.max_memory_allocated``). The prediction is
 Beside it, the dry run's peak (``python -m lmfunc.dryrun``: the step traced on fake tensors, its
 inputs plus the buffers Inductor's scheduler holds), held to the measured peak within 10% (15% in
 the quick mode, ``DRY_RUN_TOLERANCE``) where it counts every buffer: not with ``scan_layers`` (the loop body's working set is compiled where
-the dry run stops) and not with expert parallelism (its exchanged rows have sizes known only at
-run time).
+the dry run stops). Under expert parallelism the rows each rank exchanges are known only at run
+time: the dry run counts them at an even share, as ``lmfunc.plan`` does, while the measured
+step's router sends its busiest rank more (``expert_rows_vs_even``: the measured step's router
+run again); there the measured peak must lie between the dry run at an even share and the dry run
+with every exchange at the busiest rank's share (``dry_run_bytes_at_measured_load``), each give or
+take that tolerance.
 
 A case whose ``parallel`` section asks for more than one process (``cp: 2``) runs under ``torchrun``
 with gloo, each rank measuring its own step over its DTensor shards; the table shows the
@@ -74,6 +78,7 @@ def measure(cfg, world: int) -> dict:
     from lmfunc.train.batch_plan import BatchPlan
     from lmfunc.train.make_optimizer import build_lr_schedule, build_optimizer
     from lmfunc.train.params import init_params
+    from lmfunc.train.run_step import even_expert_share
     from lmfunc.train.state import TrainState
     from lmfunc.train.step import make_train_step
     from lmfunc.tree import local_tree_bytes
@@ -97,19 +102,43 @@ def measure(cfg, world: int) -> dict:
         batch = lm_batch(samples, 0, cfg.data.reset_position_ids, True, cfg.data.eod_mask_loss)
     if layout.mesh is not None:
         batch = local_batch_to_dtensor(batch, layout.mesh)
-    for _ in range(2):
-        state, _ = step(state, batch)
-    held = local_tree_bytes(state) + local_tree_bytes(batch)
-    (state, _), peak = allocator_peak_bytes(lambda: step(state, batch))
+    with even_expert_share(cfg, layout.sizes):  # as the trainer compiles its step (lmfunc.train.loop)
+        for _ in range(2):
+            state, _ = step(state, batch)
+        held = local_tree_bytes(state) + local_tree_bytes(batch)
+        (state, _), peak = allocator_peak_bytes(lambda: step(state, batch))
     mine = torch.tensor([held, peak, held + peak, sum(local_tree_bytes(p) // p.element_size()
                                                       for p in torch.utils._pytree.tree_leaves(state.params))])
+    result = {}
+    if cfg.model.num_experts and layout.sizes.get("ep", 1) == layout.data_parallel_size > 1:
+        result["expert_rows_vs_even"] = expert_rows_vs_even_share(state.params, batch["tokens"], cfg.model, layout.sizes["ep"])
     if layout.mesh is not None:  # every rank's numbers; the most-loaded rank's reported
         ranks = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(ranks, mine)
         mine = max(ranks, key=lambda r: int(r[2]))
         dist.destroy_process_group()
     return {"held_bytes": int(mine[0]), "step_peak_bytes": int(mine[1]), "measured_bytes": int(mine[2]),
-            "params": int(mine[3])}
+            "params": int(mine[3]), **result}
+
+
+def expert_rows_vs_even_share(params, tokens, model, ep: int) -> float:
+    """The rows the most-loaded expert-parallel rank receives in the measured step, over the even share
+    that ``lmfunc.plan`` and the dry run count (the most over MoE layers and microbatches): each
+    layer's router run again, eagerly, on the step's ``tokens`` ``[M, micro, S]`` with the step's
+    parameters; rank r holds experts ``r * E/ep ...``. Right where the ``ep`` group holds the whole
+    batch (``ep`` = the data-parallel size), as in the study's cases."""
+    import torch
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from lmfunc.model.gpt import decoder
+
+    worst = 0.0
+    with torch.no_grad(), implicit_replication():
+        for micro in tokens:
+            for stats in decoder(params, micro, model).router_stats:
+                load = stats.load.full_tensor() if hasattr(stats.load, "full_tensor") else stats.load
+                worst = max(worst, float(load.view(ep, -1).sum(1).max() / (load.sum() / ep)))
+    return round(worst, 4)
 
 
 def run_case(name: str, config: Path, options: Options) -> dict:
@@ -131,14 +160,15 @@ def run_case(name: str, config: Path, options: Options) -> dict:
 
 def dry_run_counts_every_buffer(cfg) -> bool:
     """Whether the dry run's peak of ``cfg`` counts every buffer the step allocates (module docstring)."""
-    return not cfg.model.scan_layers and cfg.parallel.ep == 1
+    return not cfg.model.scan_layers
 
 
-def dry_run_peak(cfg, world: int) -> int:
-    """The dry run's peak bytes of ``cfg`` on ``world`` ranks (rank 0; every rank of these cases is alike)."""
+def dry_run_peak(cfg, world: int, expert_load: float = 1.0) -> int:
+    """The dry run's peak bytes of ``cfg`` on ``world`` ranks (rank 0; every rank of these cases is
+    alike), each expert-parallel rank exchanging ``expert_load`` times an even share of rows."""
     from lmfunc.dryrun import dry_run_facts
 
-    return dry_run_facts(cfg, world).memory.peak
+    return dry_run_facts(cfg, world, expert_load=expert_load).memory.peak
 
 
 def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str, list[str], dict]:
@@ -152,11 +182,17 @@ def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str
         predicted, measured = plan.lmfunc.peak, results[name]["measured_bytes"]
         error = predicted / measured - 1
         numbers[name] = {"predicted_mib": predicted / MiB, "measured_mib": measured / MiB, "error": error}
-        dry = results[name].get("dry_run_bytes")
+        dry, busiest = results[name].get("dry_run_bytes"), results[name].get("dry_run_bytes_at_measured_load")
+        limit = DRY_RUN_TOLERANCE["quick" if options.quick else "full"]
         if dry is not None:
             numbers[name] |= {"dry_run_mib": dry / MiB, "dry_run_error": dry / measured - 1}
-            limit = DRY_RUN_TOLERANCE["quick" if options.quick else "full"]
-            if dry_run_counts_every_buffer(cfg) and abs(dry / measured - 1) > limit:
+            if busiest is not None:
+                numbers[name]["dry_run_at_measured_load_mib"] = busiest / MiB
+                if not dry * (1 - limit) <= measured <= busiest * (1 + limit):
+                    failures.append(f"{name}: measured {measured / MiB:.1f} MiB is not between the dry run's peak at an even "
+                                    f"share of the experts' rows, {dry / MiB:.1f} MiB, and at the busiest rank's "
+                                    f"{results[name]['expert_rows_vs_even']}x, {busiest / MiB:.1f} MiB (give or take {100 * limit:.0f}%)")
+            elif dry_run_counts_every_buffer(cfg) and abs(dry / measured - 1) > limit:
                 failures.append(f"{name}: the dry run's peak {dry / MiB:.1f} MiB vs measured {measured / MiB:.1f} MiB "
                                 f"({100 * (dry / measured - 1):+.1f}%, limit {100 * limit:.0f}%)")
         m = cfg.model
@@ -166,7 +202,9 @@ def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str
                      cfg.precision.compute_dtype, f"{cfg.run.micro_batch_size} x {cfg.data.seq_length}",
                      round(measured / MiB, 1), round(predicted / MiB, 1), f"{100 * error:+.1f}%",
                      round(plan.megatron.weight_and_optimizer / MiB + plan.megatron.activations / MiB, 1),
-                     "-" if dry is None else f"{dry / MiB:.1f} ({100 * (dry / measured - 1):+.1f}%)"])
+                     "-" if dry is None else f"{dry / MiB:.1f} ({100 * (dry / measured - 1):+.1f}%)"
+                     + ("" if busiest is None else f"; {busiest / MiB:.1f} at the busiest rank's "
+                                                    f"{results[name]['expert_rows_vs_even']:.2f}x rows")])
         if abs(error) > TOLERANCE:
             failures.append(f"{name}: predicted {predicted / MiB:.1f} MiB vs measured {measured / MiB:.1f} MiB "
                             f"({100 * error:+.1f}%, limit {100 * TOLERANCE:.0f}%)")
@@ -215,6 +253,8 @@ def main(argv=None) -> None:
         measured = {name: run_case(name, config, options) for name in cases}
         for name, (cfg, world) in cases.items():
             measured[name]["dry_run_bytes"] = dry_run_peak(cfg, world)
+            if "expert_rows_vs_even" in measured[name]:
+                measured[name]["dry_run_bytes_at_measured_load"] = dry_run_peak(cfg, world, measured[name]["expert_rows_vs_even"])
         earlier = json.loads(path.read_text()) if chosen is not None and path.exists() else {}
         results = {**earlier, **measured}  # --cases measures again only those it names
         write_json(path, results)

@@ -128,6 +128,36 @@ def _allocate_with_first_writer(infos: list) -> None:
         info.size_alloc = info.size_free = 0
 
 
+def _size_unknowns(lowering, infos: list) -> None:
+    """Size the buffers whose sizes are known only at run time (the experts' exchanged rows under
+    expert parallelism) at their estimate, each unknown at Inductor's ``unbacked_symint_fallback``
+    (``lmfunc.train.run_step.even_expert_share`` inside a dry run), in place. Inductor's timeline
+    (``torch._inductor.memory``) counts them as 0 bytes, which hid most of an expert-parallel step's
+    working set; the sizes follow Inductor's own rules otherwise (a renamed mutation and a buffer
+    with no layout hold nothing; a multi-output kernel allocates its outputs)."""
+    from torch._inductor.ir import MultiOutput, MultiOutputLayout, NoneLayout
+    from torch._inductor.utils import get_dtype_size
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    fallback = torch._inductor.config.unbacked_symint_fallback
+    renamed = lowering.scheduler.mutation_real_name
+    by_name = {info.buffer.get_name(): info for info in infos}
+    for info in infos:
+        node = getattr(info.buffer, "node", None)
+        if node is None or info.buffer.get_name() in renamed or isinstance(node.layout, (NoneLayout, MultiOutputLayout)):
+            continue
+        numel = node.get_numel()
+        if not free_unbacked_symbols(numel):
+            continue
+        size = lowering.sizevars.optimization_hint(numel, fallback=fallback) * get_dtype_size(node.get_dtype())
+        owner = by_name.get(node.inputs[0].get_name()) if isinstance(node, MultiOutput) and node.inputs else None
+        if owner is not None:
+            owner.size_alloc += size - info.size_free
+        else:
+            info.size_alloc = size
+        info.size_free = size
+
+
 def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
     """``ScheduledMemory`` of a ``GraphLowering`` whose scheduler has been built."""
     from torch._inductor.memory import compute_memory_timeline, peak_memory_from_buf_info_list, prepare_planning_info
@@ -137,6 +167,7 @@ def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
     nodes, outputs = scheduler.nodes, OrderedSet(lowering.get_output_names())
     _, freeable = prepare_planning_info(nodes, scheduler.name_to_buf, scheduler.name_to_fused_node, OrderedSet(), outputs)
     infos, _, _ = compute_memory_timeline(nodes, freeable, outputs)
+    _size_unknowns(lowering, infos)
     _allocate_with_first_writer(infos)
     peak, per_step = peak_memory_from_buf_info_list(infos, len(nodes))
     at = max(range(len(per_step)), key=per_step.__getitem__) if per_step else 0

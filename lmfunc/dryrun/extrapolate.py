@@ -76,11 +76,12 @@ def uniform_layers(cfg: TrainConfig) -> bool:
     return len(set(cfg.model.moe_layers)) == 1
 
 
-def dry_run_facts(cfg: TrainConfig, world_size: int, rank: int = 0) -> StepFacts:
+def dry_run_facts(cfg: TrainConfig, world_size: int, rank: int = 0, expert_load: float = 1.0) -> StepFacts:
     """The step facts of ``cfg`` on ``rank``: traced whole when it is short or its layers differ,
-    else extrapolated from small copies (module docstring); the experts' tokens evenly shared
+    else extrapolated from small copies (module docstring); the experts' tokens evenly shared, or
+    each rank's exchanged rows at ``expert_load`` times that share
     (``lmfunc.train.run_step.even_expert_share``)."""
-    with even_expert_share(cfg, cfg.parallel.sizes(world_size)):
+    with even_expert_share(cfg, cfg.parallel.sizes(world_size), expert_load):
         return _dry_run_facts(cfg, world_size, rank)
 
 

@@ -244,11 +244,12 @@ def pipeline_roles(sizes: dict[str, int], world_size: int) -> list[tuple[str, in
     return [(name, index, index * (world_size // pp)) for name, index in roles]
 
 
-def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
+def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int, expert_load: float = 1.0) -> StepFacts:
     """The step facts of ``rank``'s pipeline train step for ``cfg`` (validated for
     ``world_size``), compiled as ``python -m lmfunc.train`` compiles it (module docstring); the
-    experts' tokens evenly shared (``lmfunc.train.run_step.even_expert_share``)."""
-    with even_expert_share(cfg, cfg.parallel.sizes(world_size)):
+    experts' tokens evenly shared, or each rank's exchanged rows at ``expert_load`` times that share
+    (``lmfunc.train.run_step.even_expert_share``)."""
+    with even_expert_share(cfg, cfg.parallel.sizes(world_size), expert_load):
         return _trace_pipeline_rank(cfg, world_size, rank)
 
 

@@ -54,16 +54,20 @@ def expert_rows_per_peer(cfg: TrainConfig, sizes: dict[str, int]) -> Optional[in
 
 
 @contextlib.contextmanager
-def even_expert_share(cfg: TrainConfig, sizes: dict[str, int]) -> Iterator[None]:
+def even_expert_share(cfg: TrainConfig, sizes: dict[str, int], load: float = 1.0) -> Iterator[None]:
     """While inside, a size known only at run time (the rows each expert-parallel rank exchanges,
     read back from the routed counts) is taken at ``expert_rows_per_peer`` wherever a number is
     needed: Inductor's buffer sizes and schedule and the saved-value choice when the run compiles,
-    and in a dry run also the FLOPs and the bytes a pipeline rank keeps. It is Inductor's
-    ``unbacked_symint_fallback`` (8192 by default), the value each unknown takes in torch's
-    estimates; the trainer runs inside it, so a dry run compiles the very graphs it does."""
+    and in a dry run also the FLOPs, the buffers and the bytes a pipeline rank keeps. It is
+    Inductor's ``unbacked_symint_fallback`` (8192 by default), the value each unknown takes in
+    torch's estimates; the trainer runs inside it, so a dry run compiles the very graphs it does.
+    ``load`` scales the rows (1.0, the trainer's: an even share; 1.5: a rank that gets half as many
+    again, such as the busiest rank of a router out of balance)."""
     rows = expert_rows_per_peer(cfg, sizes)
     if rows is None:
         yield
         return
-    with torch._inductor.config.patch(unbacked_symint_fallback=rows):
+    if not load > 0:
+        raise ValueError(f"even_expert_share(load={load}): the rows' multiple of an even share must be positive")
+    with torch._inductor.config.patch(unbacked_symint_fallback=max(1, round(rows * load))):
         yield
