@@ -3,8 +3,7 @@ run measured."""
 
 from __future__ import annotations
 
-from unittest import mock
-
+from lmfunc.compiler.gloo_reduce_scatter import as_if_gloo
 from lmfunc.config.parallel import ParallelConfig
 from lmfunc.dryrun import CapturedStep, collectives, trace
 from lmfunc.train import TrainState, make_train_step
@@ -12,10 +11,10 @@ from lmfunc.train.params import init_params
 from tests.parallel_worker import worker_run
 
 
-def dry_run_of_worker(argv: list[str], world_size: int, gloo: bool = True) -> CapturedStep:
+def dry_run_of_worker(argv: list[str], world_size: int) -> CapturedStep:
     """Rank 0's compiled step of the worker run ``argv`` (LAYOUT OUT.json [flags]) in a world of
-    ``world_size``, traced on a fake process group. ``gloo``: lower the bucketed reduce-scatters as
-    the collective pass does on gloo (an all-to-all and a sum), as in the measured run."""
+    ``world_size``, traced on a fake process group with its reduce-scatters lowered as on gloo (an
+    all-to-all and a sum: ``as_if_gloo``), as in the measured run."""
     run = worker_run(argv)
     sizes = ParallelConfig(**run.fields).sizes(world_size)
 
@@ -25,7 +24,7 @@ def dry_run_of_worker(argv: list[str], world_size: int, gloo: bool = True) -> Ca
         step = make_train_step(run.cfg, run.tx, compile=True, backend=backend, **run.precision)
         return step, state, run.local_batch(run.batches[-1], layout)
 
-    with mock.patch("lmfunc.compiler.gloo_reduce_scatter.on_gloo", return_value=gloo):
+    with as_if_gloo():
         return trace(world_size, 0, sizes, make, microbatches=run.batches[-1]["tokens"].shape[0])
 
 

@@ -40,8 +40,9 @@ def torchrun_command(nproc: int, args: list[str]) -> list[str]:
 
 
 def torchrun_env() -> dict:
-    """The launcher's environment: one thread per rank, the repository on the path, unbuffered output."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    """The launcher's environment: one thread per rank, the repository on the path, unbuffered output,
+    and Python's stacks printed on a native crash (``PYTHONFAULTHANDLER``)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
 
 
 MULTIRANK_LOCK = os.path.join(tempfile.gettempdir(), "lmfunc-tests-multirank.lock")

@@ -7,14 +7,15 @@ reaches during the step (``lmfunc.metrics.allocator_peak_bytes``: the profiler's
 the CPU's equivalent of ``torch.cuda.max_memory_allocated``). The prediction is
 ``lmfunc.plan.memory.predict_memory``; the invariant is |predicted / measured - 1| <= 15%.
 Beside it, the dry run's peak (``python -m lmfunc.dryrun``: the step traced on fake tensors, its
-inputs plus the buffers Inductor's scheduler holds), held to the measured peak within 10% (15% in
-the quick mode, ``DRY_RUN_TOLERANCE``) where it counts every buffer: not with ``scan_layers`` (the loop body's working set is compiled where
-the dry run stops). Under expert parallelism the rows each rank exchanges are known only at run
-time: the dry run counts them at an even share, as ``lmfunc.plan`` does, while the measured
-step's router sends its busiest rank more (``expert_rows_vs_even``: the measured step's router
-run again); there the measured peak must lie between the dry run at an even share and the dry run
-with every exchange at the busiest rank's share (``dry_run_bytes_at_measured_load``), each give or
-take that tolerance.
+inputs plus the buffers Inductor's scheduler holds; its reduce-scatters lowered as the measured
+runs' gloo groups run them), held to the measured peak within 10% (15% in the quick mode,
+``DRY_RUN_TOLERANCE``) where it counts every buffer: not with ``scan_layers`` (the loop body's
+working set is compiled where the dry run stops). Under expert parallelism the rows each rank
+exchanges are known only at run time: the dry run counts them at an even share, as
+``lmfunc.plan`` does, while the measured step's router sends its busiest rank more
+(``expert_rows_vs_even``: the measured step's router run again); there the measured peak must lie
+between the dry run at an even share and the dry run with every exchange at the busiest rank's
+share (``dry_run_bytes_at_measured_load``), each give or take that tolerance.
 
 A case whose ``parallel`` section asks for more than one process (``cp: 2``) runs under ``torchrun``
 with gloo, each rank measuring its own step over its DTensor shards; the table shows the
@@ -165,10 +166,13 @@ def dry_run_counts_every_buffer(cfg) -> bool:
 
 def dry_run_peak(cfg, world: int, expert_load: float = 1.0) -> int:
     """The dry run's peak bytes of ``cfg`` on ``world`` ranks (rank 0; every rank of these cases is
-    alike), each expert-parallel rank exchanging ``expert_load`` times an even share of rows."""
+    alike), each expert-parallel rank exchanging ``expert_load`` times an even share of rows; its
+    reduce-scatters lowered as on gloo (an all-to-all and a sum), as in the measured runs."""
+    from lmfunc.compiler.gloo_reduce_scatter import as_if_gloo
     from lmfunc.dryrun import dry_run_facts
 
-    return dry_run_facts(cfg, world, expert_load=expert_load).memory.peak
+    with as_if_gloo():
+        return dry_run_facts(cfg, world, expert_load=expert_load).memory.peak
 
 
 def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str, list[str], dict]:

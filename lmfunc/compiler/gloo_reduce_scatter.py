@@ -6,11 +6,16 @@ sequence parallelism's) becomes an all-to-all (every rank receives the other ran
 own chunk) followed by a local sum over the ranks, in rank order: the bytes of a ring
 reduce-scatter. With 2 ranks the sum is the same single addition, so the result is bitwise the
 all-reduce's. ``lmfunc.compiler.collective_buckets`` applies it after bucketing.
+
+A dry run (``lmfunc.dryrun``) traces on torch's fake process group, which stands for a GPU run's
+NCCL: its reduce-scatters stay. Inside ``as_if_gloo`` they are rewritten as on gloo, so that a dry
+run of a CPU run has the collectives and buffers that run has.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import fx
@@ -27,11 +32,27 @@ def wait_of(collective: fx.Node) -> fx.Node:
     return next(user for user in collective.users if is_wait_tensor(user))
 
 
+_every_group_gloo = False
+
+
+@contextlib.contextmanager
+def as_if_gloo() -> Iterator[None]:
+    """While inside, every process group counts as gloo here (``on_gloo``): a dry run of a CPU run."""
+    global _every_group_gloo
+    before, _every_group_gloo = _every_group_gloo, True
+    try:
+        yield
+    finally:
+        _every_group_gloo = before
+
+
 def on_gloo(collective: fx.Node) -> bool:
-    """Whether the collective runs on a gloo process group (CPU tensors)."""
+    """Whether the collective runs on a gloo process group (CPU tensors), or inside ``as_if_gloo``."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
+    if _every_group_gloo:
+        return True
     try:
         group = _resolve_process_group(_resolve_group_name(collective.args[-1]))
         return dist.get_backend(group) == "gloo"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from typing import Optional, Sequence
@@ -14,6 +15,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from lmfunc.train.cli import parse_args
     from lmfunc.train.loop import train
 
+    # A native crash (a signal in a collective backend's thread, say) prints every thread's Python
+    # stack to stderr, so that the rank's last step, phase and line are in the launcher's log.
+    faulthandler.enable(all_threads=True)
     try:
         cfg = parse_args(argv)
         train(cfg)
