@@ -15,9 +15,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from lmfunc.train.cli import parse_args
     from lmfunc.train.loop import train
 
-    # A native crash (a signal in a collective backend's thread, say) prints every thread's Python
-    # stack to stderr, so that the rank's last step, phase and line are in the launcher's log.
-    faulthandler.enable(all_threads=True)
     try:
         cfg = parse_args(argv)
         train(cfg)
@@ -48,4 +45,7 @@ def exit_without_finalizing() -> None:
 
 
 if __name__ == "__main__":
+    # A native crash (a signal in a collective backend's thread, say) prints every thread's Python
+    # stack to stderr, so that the rank's last step, phase and line are in the launcher's log.
+    faulthandler.enable(all_threads=True)
     main()
