@@ -42,13 +42,11 @@ pytestmark = pytest.mark.multirank
     pytest.param(4, "gpipe", 0, 1, 1, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "zero-bubble", 2, 1, 0, 0, 0, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "interleaved-1f1b", 2, 0, 0, 1, 0, 0, "", marks=pytest.mark.slow),
-    pytest.param(2, "zero-bubble", 2, 1, 1, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(2, "zbv", 0, 1, 0, 0, 1, 0, "", marks=pytest.mark.slow),
     pytest.param(4, "interleaved-1f1b", 2, 1, 0, 0, 0, 0, "2 1 0", marks=pytest.mark.slow),
     pytest.param(4, "gpipe", 0, 1, 1, 1, 0, 0, "1 2 0", marks=pytest.mark.slow),
     pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "2 1 0", marks=pytest.mark.slow),
     pytest.param(8, "1f1b", 0, 1, 1, 0, 0, 0, "2 2 1", marks=pytest.mark.slow),
-    pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 0, "1 2 1", marks=pytest.mark.slow),
     # compiled stages with recompute beside tp: the saved RNG state of the recomputed attention and
     # the saved DeviceMesh (lmfunc.compiler.saved_rng_states)
     pytest.param(4, "1f1b", 0, 1, 1, 0, 1, 1, "1 2 1", marks=pytest.mark.slow),

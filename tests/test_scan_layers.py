@@ -72,9 +72,10 @@ def test_eager_scan_gives_the_unrolled_loss_and_gradients_exactly(extra):
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_scan_step_gradients_equal_the_compiled_unrolled_step(backend):
     """The gradients through the traced ``autograd.grad`` of the one compiled step, scan against
-    unrolled (fp32, with dropout and full recompute): equal to 1e-6. ``aot_eager`` checks what
-    Dynamo and AOTAutograd make of scan's gradient; ``inductor`` adds the generated code."""
-    cfg = dataclasses.replace(CFG, hidden_dropout=0.1, attention_dropout=0.1, recompute_granularity="full")
+    unrolled (fp32, with dropout and full recompute, 2 layers: the unrolled graph's compile grows
+    with each): equal to 1e-6. ``aot_eager`` checks what Dynamo and AOTAutograd make of scan's
+    gradient; ``inductor`` adds the generated code."""
+    cfg = dataclasses.replace(CFG, num_layers=2, hidden_dropout=0.1, attention_dropout=0.1, recompute_granularity="full")
     loss, grads = compile_step(value_and_grad(loss_fn(cfg)), backend=backend)(model.init(cfg, seed=0))
     scan_loss, scan_grads = compile_step(value_and_grad(loss_fn(scanned(cfg))), backend=backend)(
         model.init(scanned(cfg), seed=0))

@@ -77,15 +77,15 @@ def test_a_pp2_dp_shard2_checkpoint_continues_on_pp2_tp2_with_sequence_paralleli
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, flags", [(2, []), (4, ["--parallel.dp-shard", "2"])])
-def test_pp2_with_compiled_stages_and_update_trains_like_one_process(runs, tmp_path, nproc, flags):
+def test_pp2_with_compiled_stages_and_update_trains_like_one_process(runs, tmp_path):
     """``run.compile`` on: each stage's forward and backward and the update compiled (the
-    reference is the eager one-process run); beside dp_shard the last stage's loss metrics are
-    DTensors returned by the compiled stage, and its backward gathers the FSDP shards again
-    (``lmfunc.compiler.regather``)."""
+    reference is the eager one-process run). Compiled stages beside dp_shard (the last stage's loss
+    metrics DTensors returned by the compiled stage, its backward gathering the FSDP shards again:
+    ``lmfunc.compiler.regather``), tp and cp are ``tests/test_pipeline_step.py``'s compiled cases,
+    which also compare the parameters and Adam moments."""
     compiled = [flag for flag in COMMON if flag != "--run.no-compile"]
-    run_torchrun(nproc, compiled + ["--run.out-dir", str(tmp_path), "--data.cache-dir", str(tmp_path / "cache"),
-                                    "--run.name", "compiled", "--parallel.pp", "2", *flags])
+    run_torchrun(2, compiled + ["--run.out-dir", str(tmp_path), "--data.cache-dir", str(tmp_path / "cache"),
+                                "--run.name", "compiled", "--parallel.pp", "2"])
     for kind in ("train", "valid"):
         want, got = _losses(runs / "single", kind), _losses(tmp_path / "compiled", kind)
         assert sorted(got) == sorted(want)

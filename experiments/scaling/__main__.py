@@ -49,13 +49,14 @@ LAYOUTS = {
 """Layout name: (ranks, flags)."""
 RUNS = [Run("single")] + [Run(f"{name}{suffix}", flags + extra, nproc=nproc) for name, (nproc, flags) in LAYOUTS.items()
                           for suffix, extra in (("", ()), ("_per_leaf", NO_BUCKETS))]
-QUICK_LEAVES_OUT = ("dp_replicate2", "dp_replicate2_per_leaf", "hsdp4", "hsdp4_per_leaf", "tp2_sp", "tp2_sp_per_leaf")
+QUICK_LEAVES_OUT = ("dp_shard2_per_leaf", "dp_replicate2", "dp_replicate2_per_leaf", "hsdp4", "hsdp4_per_leaf", "tp2_per_leaf",
+                    "tp2_sp", "tp2_sp_per_leaf")
 """Runs ``--quick`` (the test suite's mode) does not make: each is a compile of its own, and what
 they would show is checked elsewhere. The compiled DDP and HSDP steps' bucketed collective counts
 (HSDP's replicas all-reducing shards, not whole gradients) are asserted exactly in
-tests/test_parallel.py, and they are far below the per-leaf counts. The per-leaf path itself and
-the TP buckets stay in the quick mode through dp_shard2 and tp2. Without a 4-rank run the quick
-mode also leaves out the four side-by-side singles (``QUAD``)."""
+tests/test_parallel.py, and they are far below the per-leaf counts, which the comm report's test
+there asserts on every layout. The TP buckets stay in the quick mode through tp2. Without a 4-rank
+run the quick mode also leaves out the four side-by-side singles (``QUAD``)."""
 PAIR = [Run("single_pair_a"), Run("single_pair_b")]
 """Two single-process runs side by side: each rank's share of the box with no communication."""
 QUAD = [Run(f"single_quad_{k}") for k in "abcd"]
