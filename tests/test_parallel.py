@@ -94,7 +94,8 @@ SLOW_LAYOUTS = [("dp_replicate=2,dp_shard=2", 4, ["--mtp"]), ("dp_replicate=2,dp
                 ("tp=2", 2, ["--mtp", "--compile"])]
 """Slow: HSDP, eager with MTP (34 s in CI) and compiled: the compiled step with the collective pass
 (HSDP's swapped reductions) in one graph (compiled FSDP with the MTP depth's parameters gathered as
-one region: ``tests/test_pipeline_step.py``'s compiled pp 2 x dp_shard 2 case). The compiled case is also the HSDP case of
+one region: ``tests/test_pipeline_step.py``'s compiled pp 2 x dp_shard 2 case). The compiled case
+is also the HSDP case of
 ``test_compiled_step_buckets_its_collectives_and_keeps_the_losses``: its counts and elements equal
 the dry run's exactly, and its replicas all-reduce the reduced shards. Compiled tp without SP: the
 column-parallel inputs' gradients all-reduced where Megatron's ``f`` does it
@@ -236,8 +237,9 @@ def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(layout, npro
     comm report predicts (per leaf they would be 42 all-gathers and reduce-scatters, or 22
     all-reduces), with the single process's losses, parameters and moments (3 microbatches per
     step on dp_shard=2, whose sums of gradients are ordered between them:
-    ``lmfunc.compiler.accumulation_order``; 2 on dp_replicate=2). HSDP's compiled step is ``test_parallel_invariance``'s: its replicas
-    all-reduce each reduced shard, not the whole gradient as DTensor would. On
+    ``lmfunc.compiler.accumulation_order``; 2 on dp_replicate=2). HSDP's compiled step is
+    ``test_parallel_invariance``'s: its replicas all-reduce each reduced shard, not the whole
+    gradient as DTensor would. On
     dp_shard=2 (a 1-D mesh) the two ranks trace the same step graph: one rank compiles it, the
     other, waiting for its turn (``host_compile_turn``), loads it from their shared Inductor cache.
     (On dp_replicate=2 neither rank found the other's graph in the cache; not explained.)"""
