@@ -218,15 +218,14 @@ def test_the_trainer_runs_the_moe_preset_and_resumes_it_exactly(tmp_path):
     assert "moe_aux_loss/layers.1.mlp" in straight[6] and "moe_tokens_per_expert_max" in straight[6]
 
 
-@pytest.mark.slow  # 40 s of compiling each; the expert paths' fullgraph compile is in tests/test_moe.py
-@pytest.mark.parametrize("latent_attention", [False, True])
-def test_the_compiled_moe_step_is_one_graph_with_the_eager_numbers(latent_attention):
-    """fullgraph compile (dropless grouped matmuls, router losses, bias update; with MLA) against
-    eager, fp32."""
+@pytest.mark.slow  # 40 s of compiling; the expert paths' fullgraph compile is in tests/test_moe.py
+def test_the_compiled_moe_step_is_one_graph_with_the_eager_numbers():
+    """fullgraph compile (dropless grouped matmuls, router losses, bias update, MLA; a dense and an
+    MoE layer) against eager, fp32. MoE beside standard attention compiles in
+    ``tests/test_parallel.py``'s compiled MoE layouts."""
     cfg = dataclasses.replace(MOE, num_layers=2, moe_layer_freq=(0, 1), mtp_num_layers=0)
-    if latent_attention:
-        cfg = dataclasses.replace(cfg, multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=10, qk_head_dim=6,
-                                  qk_pos_emb_head_dim=4, v_head_dim=5, num_query_groups=None)
+    cfg = dataclasses.replace(cfg, multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=10, qk_head_dim=6,
+                              qk_pos_emb_head_dim=4, v_head_dim=5, num_query_groups=None)
     params = model.init(cfg, seed=8)
     tx = adamw(1e-3)
     batch = {"tokens": tokens((2, 2, 8)), "labels": tokens((2, 2, 8), seed=1)}
