@@ -252,13 +252,13 @@ def test_a_pipeline_dry_run_equals_the_measured_run(tmp_path):
     buffers, which persist from the first step). Interleaved, because each rank then sends and
     receives in both directions for each of its two stages; plain 1F1B's messages are held to their
     expected counts in ``test_a_pipeline_dry_run_reports_each_stage_role``."""
-    schedule, virtual = "interleaved-1f1b", 2
     import dataclasses
 
     from experiments.bench.pipeline import WORKLOAD, _train_config
     from lmfunc.dryrun.pipeline import trace_pipeline_rank
     from tests.helpers import run_torchrun
 
+    schedule, virtual = "interleaved-1f1b", 2
     out = tmp_path / "measured.json"
     run_torchrun(2, ["-m", "experiments.bench.pipeline", "--schedule", schedule, "--virtual-stages", str(virtual),
                      "--microbatches", "4", "--steps", "1", "--memory", "--compile", "--json", str(out)])

@@ -220,8 +220,7 @@ def check_moe_invariance(result: dict, flags: list) -> None:
     assert result["final_error"] < leaf and result["moment_error"] < leaf, result
 
 
-@pytest.mark.parametrize("layout, nproc", [("dp_shard=2", 2)])
-def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(layout, nproc, tmp_path, torchrun):
+def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(tmp_path, torchrun):
     """Compiled on dp_shard=2, FSDP gathers and reduce-scatters per region (embed, each block, head;
     on gloo a reduce-scatter is an all-to-all): the counts the comm report predicts (per leaf they
     would be 42 all-gathers and reduce-scatters), with the single process's losses, parameters and
@@ -232,8 +231,8 @@ def test_compiled_step_buckets_its_collectives_and_keeps_the_losses(layout, npro
     waiting for its turn (``host_compile_turn``), loads it from their shared Inductor cache."""
     from experiments.bench.comm import expected_compiled_counts
 
+    layout, nproc, microbatches = "dp_shard=2", 2, 3
     out = tmp_path / "result.json"
-    microbatches = 3
     flags = ["--compile", f"--microbatches={microbatches}"]
     torchrun(nproc, ["-m", "tests.parallel_worker", layout, str(out), *flags])
     result = json.loads(out.read_text())
