@@ -45,3 +45,35 @@ def assert_dry_run_equals_measured(result: dict, argv: list[str], world_size: in
     for kind, sent in elements.items():
         if sent is not None:
             assert sent == result["elements"][kind], (kind, sent, result["elements"][kind])
+
+
+def main(argv: list[str]) -> None:
+    """``python -m tests.dryrun_check RESULT.json WORLD LAYOUT [flags]``: the dry run of the compiled
+    worker run ``LAYOUT [flags]`` (``tests/parallel_worker.py``, already run with torchrun on WORLD
+    ranks, rank 0's result in RESULT.json) beside what that run measured; exits 1 unless the two
+    are equal (``assert_dry_run_equals_measured``). For layouts too slow to launch in the test
+    suite, such as a 3-D mix on 8 ranks (docs/scale_out.md)."""
+    import json
+    import sys
+
+    if len(argv) < 3:
+        sys.exit(main.__doc__)
+    result_path, world_size, worker_argv = argv[0], int(argv[1]), [argv[2], argv[0], *argv[3:]]
+    result = json.loads(open(result_path).read())
+    print(f"{'collective':24s} {'over':10s} {'count':>6s} {'elements':>10s}")
+    for use in collectives(dry_run_of_worker(worker_argv, world_size)):
+        print(f"{use.kind:24s} {use.dims:10s} {use.count:6d} {use.elements if use.elements is not None else '-':>10}")
+    for kind, count in sorted(result["collectives"].items()):
+        if count:
+            print(f"measured {kind:24s} {count:6d} {result['elements'][kind]:>10}")
+    try:
+        assert_dry_run_equals_measured(result, worker_argv, world_size)
+    except AssertionError as error:
+        sys.exit(f"the dry run differs from the measured run: {error}")
+    print("the dry run's collectives and their elements equal the measured ones, kind by kind")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

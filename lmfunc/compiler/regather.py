@@ -21,9 +21,18 @@ linear layers keep the shards instead and gather again in the backward.
 ``tag_forward_gathers`` tags each all-gather of the forward and its wait with
 ``CheckpointPolicy.MUST_RECOMPUTE`` (with a parameter's gather also the casts and views between
 the parameter and the gather), so the backward gathers the shards again and only the shards are
-kept. ``RegatherPass`` runs it as an Inductor ``joint_custom_post_pass`` on a stage's joint graph,
-before the partitioner; ``lmfunc.compiler.recompute_pass`` runs it on the one step's graph, before
-it chooses what else to recompute, and copies the tagged nodes into each microbatch's backward. A gather copies the same
+kept. In a stage, that alone still saved what comes after a gather: a leaf split over two mesh
+dims (DeepSeek-V3's dense leaves over ``ep`` and ``dp_shard``) is put together by a concatenation
+after its waits, and a parameter cast to the compute dtype after its gather, or without FSDP at
+all, is a whole bf16 copy of the weight; each was kept once per microbatch in flight.
+``tag_input_copies`` tags every forward value made from the graph's inputs alone by such cheap
+ops, so the backward makes it again from the inputs, which stay alive anyway: the parameters are
+the train state, and a stage's received activations are held by the schedule for the input
+gradient.
+``RegatherPass`` runs both as an Inductor ``joint_custom_post_pass`` on a stage's joint graph,
+before the partitioner; ``lmfunc.compiler.recompute_pass`` runs ``tag_forward_gathers`` on the one
+step's graph, before it chooses what else to recompute (``lmfunc.compiler.saved_values``), and
+copies the tagged nodes into each microbatch's backward. A gather copies the same
 shards both times, so the values are the same. It costs one more all-gather per microbatch of
 each gathered value the backward reads, as FSDP's and Megatron's do, which the backward can
 overlap with its compute.
@@ -33,13 +42,15 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_wait_tensor
 from torch.utils.checkpoint import CheckpointPolicy
 
-from lmfunc.compiler import collective_buckets
+from lmfunc.compiler import collective_buckets, saved_values
 from lmfunc.compiler.collective_buckets import gathered_placeholder
+from lmfunc.compiler.saved_values import recomputable
 
 TANGENT_PREFIX = "tangents"
 """The names of a joint graph's placeholders that hold the outputs' gradients."""
@@ -84,16 +95,43 @@ def tag_forward_gathers(graph: fx.Graph, in_backward: Optional[Callable[[fx.Node
     return count
 
 
+def tag_input_copies(graph: fx.Graph) -> int:
+    """Tag ``MUST_RECOMPUTE`` every forward node of the joint ``graph`` whose value is made from the
+    graph's floating-point inputs (not the outputs' gradients) alone by cheap ops
+    (``saved_values.recomputable``: casts, views, copies, concatenations, pointwise ops) or by the
+    gathers ``tag_forward_gathers`` tagged; returns how many were tagged. Values made from the
+    integer inputs (tokens, labels, positions) are small and left to the partitioner: tagged, the
+    MTP depth's shifted tokens made it recompute that layer's whole forward in the backward."""
+    backward = _backward_nodes(graph)
+    derived: set[fx.Node] = set()
+    count = 0
+    for node in graph.nodes:
+        if node in backward:
+            continue
+        if node.op == "placeholder":
+            if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].is_floating_point():
+                derived.add(node)
+        elif node.op == "call_function" and node.all_input_nodes and \
+                all(arg in derived for arg in node.all_input_nodes) and \
+                (recomputable(node) or node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
+            derived.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            count += 1
+    return count
+
+
 class RegatherPass(CustomGraphPass):
-    """``tag_forward_gathers`` as an Inductor ``joint_custom_post_pass`` (it runs on the joint
-    graph before AOTAutograd's partitioner). Its ``uuid`` hashes this module and the parameter test
-    it reads, so compile caches made under another version are not reused."""
+    """``tag_forward_gathers`` and ``tag_input_copies`` as an Inductor ``joint_custom_post_pass``
+    (it runs on the joint graph before AOTAutograd's partitioner). Its ``uuid`` hashes this module
+    and the modules whose tests it reads, so compile caches made under another version are not
+    reused."""
 
     def __call__(self, graph: fx.Graph) -> None:
         tag_forward_gathers(graph)
+        tag_input_copies(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, collective_buckets.__file__))
+        return get_hash_for_files((__file__, collective_buckets.__file__, saved_values.__file__))
 
 
 def stage_inductor_options() -> dict[str, object]:

@@ -25,10 +25,15 @@ Rules = Sequence[tuple[str, Sequence[str]]]
 
 EP_RULES: Rules = (("experts", ("ep",)),)
 """Expert parallelism: the routed experts split over ``ep``."""
-FSDP_RULES: Rules = (("embed", ("dp_shard", "ep")), ("mtp_concat", ("dp_shard", "ep")))
+FSDP_RULES: Rules = (("embed", ("dp_shard", "ep")), ("mtp_concat", ("dp_shard", "ep")),
+                     ("q_lora", ("dp_shard", "ep")), ("kv_lora", ("dp_shard", "ep")))
 """Parameters sharded over the data-parallel shard dims along their hidden-size axis: ``dp_shard``
 and ``ep`` together (``ep`` is the inner factor of the data-parallel shard ranks), or ``dp_shard``
-alone for the experts, whose ``ep`` the ``EP_RULES`` claim first."""
+alone for the experts, whose ``ep`` the ``EP_RULES`` claim first. MLA's up-projections and latent
+norms have no hidden-size axis: they are sharded along their latent axis (``q_lora``,
+``kv_lora``), so every leaf of a layer is split over the data-parallel ranks, as Megatron's
+distributed optimizer splits them (left whole, DeepSeek-V3's ``wq_up`` and ``wkv_up`` with their
+gradients and Adam moments are 0.81 GiB a layer on every rank)."""
 TP_RULES: Rules = (("heads", ("tp",)), ("kv_heads", ("tp",)), ("mlp", ("tp",)), ("vocab", ("tp",)))
 """Megatron's tensor parallelism: attention heads, MLP width and vocabulary split over ``tp``."""
 DEFAULT_RULES: Rules = EP_RULES + TP_RULES + FSDP_RULES
