@@ -56,10 +56,15 @@ def main(argv: list[str]) -> None:
     import json
     import sys
 
-    if len(argv) < 3:
+    if len(argv) < 3 or not argv[1].isdigit() or int(argv[1]) < 1:
         sys.exit(main.__doc__)
     result_path, world_size, worker_argv = argv[0], int(argv[1]), [argv[2], argv[0], *argv[3:]]
-    result = json.loads(open(result_path).read())
+    try:
+        result = json.loads(open(result_path).read())
+        result["collectives"], result["elements"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        sys.exit(f"{result_path}: not a compiled worker run's result ({error}); run tests.parallel_worker "
+                 "with --compile under torchrun first")
     print(f"{'collective':24s} {'over':10s} {'count':>6s} {'elements':>10s}")
     for use in collectives(dry_run_of_worker(worker_argv, world_size)):
         print(f"{use.kind:24s} {use.dims:10s} {use.count:6d} {use.elements if use.elements is not None else '-':>10}")

@@ -95,14 +95,17 @@ def tag_forward_gathers(graph: fx.Graph, in_backward: Optional[Callable[[fx.Node
     return count
 
 
-def tag_input_copies(graph: fx.Graph) -> int:
+def tag_input_copies(graph: fx.Graph, backward: Optional[set[fx.Node]] = None) -> int:
     """Tag ``MUST_RECOMPUTE`` every forward node of the joint ``graph`` whose value is made from the
     graph's floating-point inputs (not the outputs' gradients) alone by cheap ops
     (``saved_values.recomputable``: casts, views, copies, concatenations, pointwise ops) or by the
     gathers ``tag_forward_gathers`` tagged; returns how many were tagged. Values made from the
     integer inputs (tokens, labels, positions) are small and left to the partitioner: tagged, the
-    MTP depth's shifted tokens made it recompute that layer's whole forward in the backward."""
-    backward = _backward_nodes(graph)
+    MTP depth's shifted tokens made it recompute that layer's whole forward in the backward.
+
+    backward: the joint graph's backward nodes (``_backward_nodes``), when already found."""
+    if backward is None:
+        backward = _backward_nodes(graph)
     derived: set[fx.Node] = set()
     count = 0
     for node in graph.nodes:
@@ -127,8 +130,9 @@ class RegatherPass(CustomGraphPass):
     reused."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        tag_forward_gathers(graph)
-        tag_input_copies(graph)
+        backward = _backward_nodes(graph)
+        tag_forward_gathers(graph, backward.__contains__)
+        tag_input_copies(graph, backward)
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__, collective_buckets.__file__, saved_values.__file__))
