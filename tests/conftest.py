@@ -40,25 +40,17 @@ the slow tests end inside CI's 90-minute budget). Each test not started is repor
 the reason, in pytest's summary."""
 
 
-SLOW_ROTATION = "LMFUNC_SLOW_TESTS_ROTATE"
-"""Environment variable: a string (``.ci/run`` gives the commit's hash) from which the slow tests'
-order is rotated, so a run stopped by the time budget leaves out different tests each commit
-instead of always the last ones in file order."""
-
-
 @pytest.fixture(autouse=True)
-def _share_of_the_machine(request):
-    """Every test holds the machine shared (``tests.helpers.machine_share``), a test marked
-    ``exclusive`` holds it alone, and a test marked ``multirank`` also holds the machine's one
-    multi-rank slot (``tests.helpers.multirank_slot``) while it runs: under pytest-xdist, the other
-    worker runs single-process tests beside a multi-rank one, and nothing beside an exclusive one."""
+def _multirank_slot(request):
+    """A test marked ``multirank`` holds the machine's one multi-rank slot
+    (``tests.helpers.multirank_slot``) while it runs: under pytest-xdist, the other worker runs
+    single-process tests beside a multi-rank one, never a second one."""
     import contextlib
 
-    from tests.helpers import machine_share, multirank_slot
+    from tests.helpers import multirank_slot
 
-    exclusive = request.node.get_closest_marker("exclusive") is not None
     multirank = request.node.get_closest_marker("multirank") is not None
-    with machine_share(exclusive), multirank_slot() if multirank else contextlib.nullcontext():
+    with multirank_slot() if multirank else contextlib.nullcontext():
         yield
 
 
@@ -72,18 +64,19 @@ def pytest_itemcollected(item):
     item.add_marker(pytest.mark.xdist_group("multirank" if multirank else item.nodeid.split("::")[0]))
 
 
-@pytest.hookimpl(trylast=True)  # after ``-m slow`` has deselected the rest
-def pytest_collection_modifyitems(config, items):
-    rotation = os.environ.get(SLOW_ROTATION)
-    slow = [item for item in items if item.get_closest_marker("slow") is not None]
-    if not rotation or not slow or len(slow) != len(items):
-        return
-    import zlib
+def pytest_configure(config):
+    """pytest-xdist hands out its groups in the suite's order (``pytest_collection_modifyitems``), not
+    largest group first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
-    offset = zlib.crc32(rotation.encode()) % len(items)
-    while offset and items[offset].module is items[offset - 1].module:  # keep each file's tests together
-        offset -= 1
-    items[:] = items[offset:] + items[:offset]
+
+@pytest.hookimpl(trylast=True)  # after ``-m`` has deselected tests
+def pytest_collection_modifyitems(config, items):
+    """The files with the slowest tests first (``tests.durations``: seconds of a recorded CI run)."""
+    from tests.durations import longest_first, read_durations
+
+    items[:] = longest_first(items, read_durations())
 
 
 NOT_STARTED = f"CI time budget spent ({SLOW_DEADLINE}): slow test not started"

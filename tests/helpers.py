@@ -72,19 +72,6 @@ def multirank_slot() -> Iterator[None]:
             _slot_depth = 0
 
 
-MACHINE_LOCK = os.path.join(tempfile.gettempdir(), "lmfunc-tests-machine.lock")
-"""The file every test holds a shared lock on while it runs, and an ``exclusive`` test an exclusive one."""
-
-
-@contextlib.contextmanager
-def machine_share(exclusive: bool) -> Iterator[None]:
-    """Hold the machine shared with the other pytest-xdist worker's test, or alone: an ``flock`` on
-    ``MACHINE_LOCK``, shared or exclusive, waited for. A test whose assertions rest on timings
-    (``exclusive``) must not run beside another test."""
-    with _flock(MACHINE_LOCK, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH):
-        yield
-
-
 @contextlib.contextmanager
 def _flock(path: str, mode: int) -> Iterator[None]:
     """Hold an ``flock`` (``LOCK_EX`` or ``LOCK_SH``) on ``path``, waited for, released on exit."""

@@ -1,6 +1,6 @@
 """The rules the test suite itself keeps (docs/testing.md): CI runs the README's test command, a
 run that leaves tests unstarted names them (and fails when told to), multi-rank launches take one
-slot, and a timed test has the machine alone."""
+slot, and the slowest tests start first."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import MACHINE_LOCK, MULTIRANK_LOCK, ROOT, multirank_slot
+from tests.helpers import MULTIRANK_LOCK, ROOT, multirank_slot
 
 
 def test_ci_runs_the_readmes_test_command():
@@ -53,11 +53,31 @@ def _other_process_gets(lock_file: str, mode: str) -> bool:
     return subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 0
 
 
-def test_a_test_shares_the_machine():
-    assert _other_process_gets(MACHINE_LOCK, "LOCK_SH") and not _other_process_gets(MACHINE_LOCK, "LOCK_EX")
 
+def test_the_files_with_the_slowest_tests_start_first_and_a_file_stays_together():
+    """``tests.durations``: the recorded seconds read from pytest's ``--durations`` lines (setup, call
+    and teardown summed; xdist's ``@group`` dropped), and the order they give: units of one file in
+    one xdist group, slowest first, each unit's tests in their own order, a test no run recorded
+    counted as the slowest."""
+    import types
 
-@pytest.mark.slow  # it waits for the other worker's test to end: free only where the tier runs on one worker
-@pytest.mark.exclusive
-def test_an_exclusive_test_has_the_machine_alone():
-    assert not _other_process_gets(MACHINE_LOCK, "LOCK_SH")
+    from tests.durations import durations_in_log, longest_first
+
+    log = ("12.50s call     tests/test_a.py::test_long[1 2 1]@multirank\n"
+           "2.00s setup    tests/test_a.py::test_long[1 2 1]@multirank\n"
+           "3.00s call     tests/test_b.py::test_b1@tests/test_b.py\n"
+           "(214 durations < 0.005s hidden.  Use -vv to show these durations.)\n")
+    seconds = durations_in_log(log)
+    assert seconds == {"tests/test_a.py::test_long[1 2 1]": 14.5, "tests/test_b.py::test_b1": 3.0}
+
+    def item(nodeid, group):
+        marker = types.SimpleNamespace(args=(group,))
+        return types.SimpleNamespace(nodeid=f"{nodeid}@{group}", get_closest_marker=lambda name: marker)
+
+    items = [item("tests/test_b.py::test_b0", "tests/test_b.py"), item("tests/test_b.py::test_b1", "tests/test_b.py"),
+             item("tests/test_a.py::test_short", "multirank"), item("tests/test_a.py::test_long[1 2 1]", "multirank"),
+             item("tests/test_b.py::test_b2", "multirank"), item("tests/test_c.py::test_new", "tests/test_c.py")]
+    seconds.update({"tests/test_b.py::test_b0": 0.1, "tests/test_a.py::test_short": 1.0, "tests/test_b.py::test_b2": 5.0})
+    order = [i.nodeid.split("::")[1] for i in longest_first(items, seconds)]
+    assert order == ["test_new@tests/test_c.py", "test_short@multirank", "test_long[1 2 1]@multirank",
+                     "test_b2@multirank", "test_b0@tests/test_b.py", "test_b1@tests/test_b.py"]
