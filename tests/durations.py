@@ -7,7 +7,8 @@ first, the tests a worker takes last are short ones, so both workers end close t
 slow tier's start limit (``.ci/run``) is met by tests that end soon after it.
 
 ``python -m tests.durations LOG [LOG ...]`` records the seconds (setup, call and teardown summed)
-that pytest's ``--durations=0`` printed in each LOG (a ``.ci/run`` output, say) into the file;
+that pytest's ``--durations=0`` printed in the LOGs (``.ci/run`` outputs, say) into the file, a
+test's mean over the LOGs that name it (a test's seconds depend on what ran beside it);
 a test that no log names keeps its recorded seconds, or 0 s if it has none (pytest leaves out
 durations under 5 ms); a test the suite no longer has is dropped."""
 
@@ -69,13 +70,15 @@ def longest_first(items: list, seconds: dict[str, float]) -> list:
 def main(logs: list[str]) -> None:
     if not logs:
         sys.exit(__doc__)
-    seconds = read_durations()
+    named: dict[str, list[float]] = {}
     for log in logs:
         with open(log, errors="replace") as f:
             found = durations_in_log(f.read())
         if not found:
             sys.exit(f"{log}: no `--durations` lines (run pytest with --durations=0)")
-        seconds.update(found)
+        for nodeid, took in found.items():
+            named.setdefault(nodeid, []).append(took)
+    seconds = {**read_durations(), **{nodeid: sum(took) / len(took) for nodeid, took in named.items()}}
     import subprocess
 
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"],
