@@ -222,7 +222,11 @@ def capturing_backend(sink: list, options: dict, runner: Optional[GraphRunner] =
 
     Without a ``runner`` the function it returns raises ``_Captured`` instead of running. With one,
     each of AOTAutograd's graphs runs as ``runner`` makes it run (on fake tensors), so that code
-    around it (a pipeline schedule) goes on."""
+    around it (a pipeline schedule) goes on.
+
+    Each backward is captured with its forward, not at its first call: AOTAutograd's lazy backward
+    compile deep-copies the backward graph, whose lifted constants are real tensors, and under the
+    fake mode that surrounds a pipeline step the copy fails (a deepseek-v3-tiny stage on pp 2)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.exc import InductorError
 
@@ -246,7 +250,8 @@ def capturing_backend(sink: list, options: dict, runner: Optional[GraphRunner] =
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         patches = {**options_for_graph(graph, options), **NO_COMPILE_CACHES}
         try:
-            with compile_settings(), torch._functorch.config.patch(enable_autograd_cache=False):
+            with compile_settings(), torch._functorch.config.patch(enable_autograd_cache=False,
+                                                                   force_non_lazy_backward_lowering=True):
                 return compile_fx(graph, example_inputs, inner_compile=inner, config_patches=patches)
         except _Captured:
             pass
