@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 
 DURATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
@@ -79,8 +80,6 @@ def main(logs: list[str]) -> None:
         for nodeid, took in found.items():
             named.setdefault(nodeid, []).append(took)
     seconds = {**read_durations(), **{nodeid: sum(took) / len(took) for nodeid, took in named.items()}}
-    import subprocess
-
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"],
                                cwd=os.path.dirname(os.path.dirname(DURATIONS_FILE)), capture_output=True, text=True)
     present = {line.strip() for line in collected.stdout.splitlines() if "::" in line}

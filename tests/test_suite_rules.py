@@ -53,7 +53,6 @@ def _other_process_gets(lock_file: str, mode: str) -> bool:
     return subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 0
 
 
-
 def test_the_files_with_the_slowest_tests_start_first_and_a_file_stays_together():
     """``tests.durations``: the recorded seconds read from pytest's ``--durations`` lines (setup, call
     and teardown summed; xdist's ``@group`` dropped), and the order they give: units of one file in
