@@ -6,6 +6,7 @@ from __future__ import annotations
 from lmfunc.compiler.gloo_reduce_scatter import as_if_gloo
 from lmfunc.config.parallel import ParallelConfig
 from lmfunc.dryrun import CapturedStep, collectives, trace
+from lmfunc.dryrun.graph_report import differences_from_measured
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.train.params import init_params
 from tests.parallel_worker import worker_run
@@ -32,26 +33,17 @@ def assert_dry_run_equals_measured(result: dict, argv: list[str], world_size: in
     """The dry run's collectives, counted per kind over every mesh dim, and the elements they send
     equal those the compiled run measured on rank 0 (``result["collectives"]``, ``["elements"]``);
     a kind whose sizes are known only at run time (the experts' token exchange) is held to its
-    count."""
-    counts, elements = {}, {}
-    for use in collectives(dry_run_of_worker(argv, world_size)):
-        counts[use.kind] = counts.get(use.kind, 0) + use.count
-        if use.elements is None or elements.get(use.kind, 0) is None:
-            elements[use.kind] = None
-        else:
-            elements[use.kind] = elements.get(use.kind, 0) + use.elements
-    measured = {k: v for k, v in result["collectives"].items() if v}
-    assert counts == measured, (counts, measured)
-    for kind, sent in elements.items():
-        if sent is not None:
-            assert sent == result["elements"][kind], (kind, sent, result["elements"][kind])
+    count (``graph_report.differences_from_measured``)."""
+    uses = collectives(dry_run_of_worker(argv, world_size))
+    differences = differences_from_measured(uses, result["collectives"], result["elements"])
+    assert not differences, differences
 
 
 def main(argv: list[str]) -> None:
     """``python -m tests.dryrun_check RESULT.json WORLD LAYOUT [flags]``: the dry run of the compiled
     worker run ``LAYOUT [flags]`` (``tests/parallel_worker.py``, already run with torchrun on WORLD
     ranks, rank 0's result in RESULT.json) beside what that run measured; exits 1 unless the two
-    are equal (``assert_dry_run_equals_measured``). For layouts too slow to launch in the test
+    are equal (``graph_report.differences_from_measured``). For layouts too slow to launch in the test
     suite, such as a 3-D mix on 8 ranks (docs/scale_out.md)."""
     import json
     import sys
@@ -66,15 +58,15 @@ def main(argv: list[str]) -> None:
         sys.exit(f"{result_path}: not a compiled worker run's result ({error}); run tests.parallel_worker "
                  "with --compile under torchrun first")
     print(f"{'collective':24s} {'over':10s} {'count':>6s} {'elements':>10s}")
-    for use in collectives(dry_run_of_worker(worker_argv, world_size)):
+    uses = collectives(dry_run_of_worker(worker_argv, world_size))
+    for use in uses:
         print(f"{use.kind:24s} {use.dims:10s} {use.count:6d} {use.elements if use.elements is not None else '-':>10}")
     for kind, count in sorted(result["collectives"].items()):
         if count:
             print(f"measured {kind:24s} {count:6d} {result['elements'][kind]:>10}")
-    try:
-        assert_dry_run_equals_measured(result, worker_argv, world_size)
-    except AssertionError as error:
-        sys.exit(f"the dry run differs from the measured run: {error}")
+    differences = differences_from_measured(uses, result["collectives"], result["elements"])
+    if differences:
+        sys.exit(f"the dry run differs from the measured run: {differences}")
     print("the dry run's collectives and their elements equal the measured ones, kind by kind")
 
 

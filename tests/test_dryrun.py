@@ -277,8 +277,8 @@ def test_a_pipeline_dry_run_equals_the_measured_run(tmp_path):
     """The pipeline benchmark's compiled run (``experiments.bench.pipeline``, pp 2, interleaved 1F1B
     with 2 virtual stages, 4 microbatches, torchrun, gloo) against the dry run of the same workload,
     per rank: the collectives and the point-to-point messages of one step, kind by kind, equal in
-    count and elements; the step memory within 10% (the measurement leaves out the stages' receive
-    buffers, which persist from the first step). Interleaved, because each rank then sends and
+    count and elements; the step memory within 10% (the stages' receive buffers, kept from the
+    first step, counted on both sides). Interleaved, because each rank then sends and
     receives in both directions for each of its two stages; plain 1F1B's messages are held to their
     expected counts in ``test_a_pipeline_dry_run_reports_each_stage_role``."""
     import dataclasses

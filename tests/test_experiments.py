@@ -87,10 +87,13 @@ def test_plan_accuracy_study_quick_on_several_ranks(tmp_path):
     run at an even share of the experts' rows and at the busiest rank's share (the study's
     invariant), and the even share is within 10% (-42% when the buffers of the exchanged rows, whose
     sizes are known only at run time, were counted as empty). On tp 2 + SP the dry run, its
-    reduce-scatters lowered as on gloo (an all-to-all and a sum), is within 10%."""
+    reduce-scatters lowered as on gloo (an all-to-all and a sum), is within 10%. On all three the
+    dry run's collectives equal those rank 0's compiled step issued, kind by kind, in count and
+    elements (the experts' exchange in count: its sizes are known only at run time)."""
     cases = run_quick("plan_accuracy", tmp_path, "--cases", ",".join(PLAN_ACCURACY_SEVERAL_RANKS))["cases"]
     assert set(cases) == set(PLAN_ACCURACY_SEVERAL_RANKS)
     assert all(abs(c["error"]) <= 0.15 and "dry_run_mib" in c for c in cases.values())
+    assert all(c["collectives_equal"] for c in cases.values()), cases
     assert abs(cases["quick_cp2"]["dry_run_error"]) <= 0.05, cases["quick_cp2"]
     experts = cases["quick_moe_ep2"]
     assert experts["dry_run_mib"] <= experts["dry_run_at_measured_load_mib"] and abs(experts["dry_run_error"]) <= 0.10, experts

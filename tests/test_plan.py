@@ -111,7 +111,8 @@ def test_a_pipeline_ranks_prediction_counts_its_own_leaves_and_chunks():
     """pp 2 of the tiny model, tied: rank 0 holds the embedding and layer 0, rank 1 layer 1, the final
     norm and the embedding again (tied); their elements sum to the model's plus one embedding, and
     dp_shard 2 halves every leaf sharded along its hidden size. GPipe holds all 4 microbatches on
-    each rank, 1F1B 2 on the first and 1 on the last, and the activations scale with them."""
+    each rank, 1F1B 2 on the first and 1 on the last, and the activations scale with them; each
+    rank's stage holds one receive buffer per microbatch."""
     from lmfunc.plan.pipeline_memory import predict_pipeline_rank
 
     cfg = WORKED.replace(model=dataclasses.replace(WORKED.model, activation="swiglu", normalization="RMSNorm"),
@@ -121,7 +122,12 @@ def test_a_pipeline_ranks_prediction_counts_its_own_leaves_and_chunks():
     assert first.params + last.params == total + 384 * 64
     assert last.head > 0 and first.head == 0
     assert (first.chunks_in_flight, last.chunks_in_flight) == (2, 1)
-    assert first.peak == first.state + first.grads + first.compute_copies + first.activations + first.head
+    assert first.peak == (first.state + first.grads + first.compute_copies + first.activations + first.head
+                          + first.receive_buffers)
+    # torch's stages receive into a buffer per microbatch, kept: rank 0 its gradients, rank 1 its activations
+    hidden = cfg.run.micro_batch_size * cfg.data.seq_length * cfg.model.hidden_size * 4
+    microbatches = cfg.run.global_batch_size // cfg.run.micro_batch_size
+    assert first.receive_buffers == last.receive_buffers == microbatches * hidden
     gpipe = cfg.replace(parallel=ParallelConfig(pp=2, pp_schedule="gpipe"))
     assert predict_pipeline_rank(gpipe, {"pp": 2}, 0).activations == 2 * first.activations
     sharded = predict_pipeline_rank(cfg, {"pp": 2, "dp_shard": 2}, 0)
@@ -163,9 +169,9 @@ def test_a_pipeline_stage_keeps_its_moe_layers_values():
                          run=RunConfig(micro_batch_size=2, global_batch_size=4))
     dense, routed = layer_kept_bytes(cfg, 1, "none"), layer_kept_bytes(cfg, 1, "none", moe=True)
     assert routed != dense
-    boundary = 2 * 2 * 128 * 64 * 4
+    output = 2 * 128 * 64 * 4  # the first stage's output hidden states; the last stage's is the loss
     first, last = (predict_pipeline_rank(cfg, {"pp": 2}, rank) for rank in (0, 1))
-    assert first.activations == 2 * (2 * dense + boundary) and last.activations == 2 * (2 * routed + boundary)
+    assert first.activations == 2 * (2 * dense + output) and last.activations == 2 * 2 * routed
     expert_parallel = predict_pipeline_rank(cfg, {"pp": 2, "dp_shard": 1, "ep": 2}, 1)
     experts = 2 * 3 * 4 * 64 * 128  # two layers' w_gate, w_up and w_out, [4, 64, 128] each
     assert expert_parallel.compute_copies == 4 * (last.params - experts // 2)

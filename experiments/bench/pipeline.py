@@ -19,8 +19,9 @@ forward and one gradient back per microbatch (less the boundaries inside a rank:
 
 Memory: the most microbatches a rank holds activations for at once (forward run, backward not
 yet), from the order of its actions: GPipe m, 1F1B at most p, next to ``lmfunc.plan``'s count
-(``chunks_in_flight``). ``--memory`` also measures each rank's step memory: the bytes its state
-and batch hold plus the allocator's peak during one more step (``allocator_peak_bytes``), next to
+(``chunks_in_flight``). ``--memory`` also measures each rank's step memory: the bytes its state,
+batch and stages' receive buffers hold plus the allocator's peak during one more step
+(``allocator_peak_bytes``), next to
 ``lmfunc.plan``'s prediction for that rank (``predict_pipeline_rank``); ``--compile`` compiles
 the stages and the update, as the trainer does (the prediction models compiled stages).
 
@@ -138,10 +139,20 @@ def _train_config(cfg, schedule: str, pp: int, virtual: int, microbatches: int):
                        parallel=ParallelConfig(pp=pp, pp_schedule=schedule, virtual_stages=virtual if virtual > 1 else None))
 
 
+def receive_buffer_bytes(stages) -> int:
+    """Bytes of the buffers torch's ``stages`` receive activations and gradients into: one per
+    microbatch each, allocated at the schedule's first step and kept."""
+    infos = [info for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
+             for chunk in table.values() for info in chunk]
+    return sum(info.buffer.numel() * info.buffer.element_size() for info in infos
+               if isinstance(info.buffer, torch.Tensor))
+
+
 def _step_memory(step, state, batch) -> tuple:
-    """(state, bytes the state and batch hold, the allocator's peak above them during one step)."""
+    """(state, bytes the state, the batch and the stages' receive buffers hold, the allocator's peak
+    above them during one step)."""
     held = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves((state, batch))
-               if isinstance(t, torch.Tensor))
+               if isinstance(t, torch.Tensor)) + receive_buffer_bytes(_stages(step.schedule()))
     (state, _), peak = allocator_peak_bytes(lambda: step(state, batch))
     return state, held, peak
 
@@ -222,7 +233,7 @@ def measure(schedule_name: str, virtual: int, microbatches: int, steps: int, tim
             measured = float(g[5]) + float(g[6])
             plan = predict_pipeline_rank(train_cfg, {"pp": pp}, r)
             predicted = f"{plan.peak / 2**20:.2f} MiB ({100 * (plan.peak / measured - 1):+.1f}%)" if plan else "-"
-            print(f"  rank {r} step memory: measured {measured / 2**20:.2f} MiB (state and batch "
+            print(f"  rank {r} step memory: measured {measured / 2**20:.2f} MiB (state, batch, receive buffers "
                   f"{float(g[5]) / 2**20:.2f} + step peak {float(g[6]) / 2**20:.2f}), lmfunc.plan {predicted}")
     if timeline:
         for r, rank_events in enumerate(events):

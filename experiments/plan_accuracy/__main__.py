@@ -19,7 +19,9 @@ share (``dry_run_bytes_at_measured_load``), each give or take that tolerance.
 
 A case whose ``parallel`` section asks for more than one process (``cp: 2``) runs under ``torchrun``
 with gloo, each rank measuring its own step over its DTensor shards; the table shows the
-most-loaded rank, which is what the plan predicts.
+most-loaded rank, which is what the plan predicts. There rank 0 also counts the collectives of one
+more step (``experiments.bench.comm.step_collectives``), and the dry run's must equal them: every
+kind's count and the elements handed over (``lmfunc.dryrun.graph_report.differences_from_measured``).
 ``python -m experiments.plan_accuracy [--quick] [--cases NAME,NAME]`` (``--cases``: only those cases
 of the config, e.g. the one-process ones apart from those under torchrun).
 """
@@ -71,6 +73,7 @@ def measure(cfg, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from experiments.bench.comm import step_collectives
     from lmfunc.data.batch import lm_batch
     from lmfunc.metrics import allocator_peak_bytes
     from lmfunc.parallel.mesh import build_mesh, data_parallel_rank
@@ -95,12 +98,11 @@ def measure(cfg, world: int) -> dict:
                            loss_scale=cfg.precision.loss_scaling(), compile=True, donate_state=True)
     microbatches = plan.num_microbatches_at(0)
     g = torch.Generator().manual_seed(data_parallel_rank(layout))
-    tokens = torch.randint(0, 256, (microbatches, cfg.run.micro_batch_size, cfg.data.seq_length), generator=g)
-    batch = {"tokens": tokens, "labels": tokens.roll(-1, dims=-1)}
+    # the trainer's batch fields (a loss mask always), of random tokens; token 0 ends a document
+    samples = torch.randint(1, 256, (microbatches, cfg.run.micro_batch_size, cfg.data.seq_length + 1), generator=g)
     if cfg.data.reset_attention_mask:  # documents of about 200 tokens, masked from each other
-        samples = torch.randint(1, 256, (*tokens.shape[:-1], tokens.shape[-1] + 1), generator=g)
         samples[torch.rand(samples.shape, generator=g) < 1 / 200] = 0
-        batch = lm_batch(samples, 0, cfg.data.reset_position_ids, True, cfg.data.eod_mask_loss)
+    batch = lm_batch(samples, 0, cfg.data.reset_position_ids, cfg.data.reset_attention_mask, cfg.data.eod_mask_loss)
     if layout.mesh is not None:
         batch = local_batch_to_dtensor(batch, layout.mesh)
     with even_expert_share(cfg, layout.sizes):  # as the trainer compiles its step (lmfunc.train.loop)
@@ -113,6 +115,9 @@ def measure(cfg, world: int) -> dict:
     result = {}
     if cfg.model.num_experts and layout.sizes.get("ep", 1) == layout.data_parallel_size > 1:
         result["expert_rows_vs_even"] = expert_rows_vs_even_share(state.params, batch["tokens"], cfg.model, layout.sizes["ep"])
+    if layout.mesh is not None:  # the collectives of one more step (rank 0's are reported, the dry run's rank)
+        with even_expert_share(cfg, layout.sizes):
+            result["collectives"], result["elements"] = step_collectives(lambda: step(state, batch))
     if layout.mesh is not None:  # every rank's numbers; the most-loaded rank's reported
         ranks = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(ranks, mine)
@@ -164,15 +169,15 @@ def dry_run_counts_every_buffer(cfg) -> bool:
     return not cfg.model.scan_layers
 
 
-def dry_run_peak(cfg, world: int, expert_load: float = 1.0) -> int:
-    """The dry run's peak bytes of ``cfg`` on ``world`` ranks (rank 0; every rank of these cases is
-    alike), each expert-parallel rank exchanging ``expert_load`` times an even share of rows; its
+def dry_run_as_on_gloo(cfg, world: int, expert_load: float = 1.0):
+    """The dry run's ``StepFacts`` of ``cfg`` on ``world`` ranks (rank 0; every rank of these cases
+    is alike), each expert-parallel rank exchanging ``expert_load`` times an even share of rows; its
     reduce-scatters lowered as on gloo (an all-to-all and a sum), as in the measured runs."""
     from lmfunc.compiler.gloo_reduce_scatter import as_if_gloo
     from lmfunc.dryrun import dry_run_facts
 
     with as_if_gloo():
-        return dry_run_facts(cfg, world, expert_load=expert_load).memory.peak
+        return dry_run_facts(cfg, world, expert_load=expert_load)
 
 
 def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str, list[str], dict]:
@@ -199,6 +204,11 @@ def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str
             elif dry_run_counts_every_buffer(cfg) and abs(dry / measured - 1) > limit:
                 failures.append(f"{name}: the dry run's peak {dry / MiB:.1f} MiB vs measured {measured / MiB:.1f} MiB "
                                 f"({100 * (dry / measured - 1):+.1f}%, limit {100 * limit:.0f}%)")
+        differences = results[name].get("collective_differences")
+        if differences is not None:
+            numbers[name]["collectives_equal"] = not differences
+            if differences:
+                failures.append(f"{name}: the dry run's collectives differ from the measured step's: {'; '.join(differences)}")
         m = cfg.model
         layout = " x ".join(f"{dim} {size}" for dim, size in plan.sizes.items() if size > 1) or "1 process"
         rows.append([name, f"h {m.hidden_size}, L {m.num_layers}" + (", scan" if m.scan_layers else ""), layout,
@@ -208,12 +218,14 @@ def report(cases: dict, results: dict[str, dict], options: Options) -> tuple[str
                      round(plan.megatron.weight_and_optimizer / MiB + plan.megatron.activations / MiB, 1),
                      "-" if dry is None else f"{dry / MiB:.1f} ({100 * (dry / measured - 1):+.1f}%)"
                      + ("" if busiest is None else f"; {busiest / MiB:.1f} at the busiest rank's "
-                                                    f"{results[name]['expert_rows_vs_even']:.2f}x rows")])
+                                                    f"{results[name]['expert_rows_vs_even']:.2f}x rows"),
+                     "-" if differences is None else "equal" if not differences else "differ"])
         if abs(error) > TOLERANCE:
             failures.append(f"{name}: predicted {predicted / MiB:.1f} MiB vs measured {measured / MiB:.1f} MiB "
                             f"({100 * error:+.1f}%, limit {100 * TOLERANCE:.0f}%)")
     table = markdown_table(["case", "model", "layout (per rank)", "recompute", "compute", "micro batch x seq", "measured MiB",
-                            "lmfunc.plan MiB", "error", "Megatron's formula MiB", "dry run MiB"], rows)
+                            "lmfunc.plan MiB", "error", "Megatron's formula MiB", "dry run MiB",
+                            "dry run's collectives vs measured"], rows)
     (options.results / "tables.md").write_text(table)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -255,10 +267,17 @@ def main(argv=None) -> None:
         results = json.loads(path.read_text())
     else:
         measured = {name: run_case(name, config, options) for name in cases}
+        from lmfunc.dryrun.graph_report import differences_from_measured
+
         for name, (cfg, world) in cases.items():
-            measured[name]["dry_run_bytes"] = dry_run_peak(cfg, world)
+            facts = dry_run_as_on_gloo(cfg, world)
+            measured[name]["dry_run_bytes"] = facts.memory.peak
+            if "collectives" in measured[name]:
+                measured[name]["collective_differences"] = differences_from_measured(
+                    facts.collectives, measured[name]["collectives"], measured[name]["elements"])
             if "expert_rows_vs_even" in measured[name]:
-                measured[name]["dry_run_bytes_at_measured_load"] = dry_run_peak(cfg, world, measured[name]["expert_rows_vs_even"])
+                load = measured[name]["expert_rows_vs_even"]
+                measured[name]["dry_run_bytes_at_measured_load"] = dry_run_as_on_gloo(cfg, world, load).memory.peak
         earlier = json.loads(path.read_text()) if chosen is not None and path.exists() else {}
         results = {**earlier, **measured}  # --cases measures again only those it names
         write_json(path, results)

@@ -151,6 +151,28 @@ def collectives(step: CapturedStep) -> list[CollectiveUse]:
     return [CollectiveUse(kind, dims, n, *sent[(kind, dims)]) for (kind, dims), n in sorted(counts.items())]
 
 
+def differences_from_measured(uses: list[CollectiveUse], counts: dict[str, int],
+                              elements: dict[str, int]) -> list[str]:
+    """How the dry run's collectives ``uses`` differ from those a run measured on the same rank
+    (kind -> ``counts`` and ``elements`` handed over, every mesh dim together, as the comm report
+    counts them: ``experiments.bench.comm.step_collectives``); [] when they are equal: every kind's
+    count, and its elements where the dry run knows them (not the experts' token exchange, whose
+    sizes are known only at run time)."""
+    traced_counts: Counter = Counter()
+    traced_elements: dict[str, Optional[int]] = {}
+    for use in uses:
+        traced_counts[use.kind] += use.count
+        known = traced_elements.get(use.kind, 0)
+        traced_elements[use.kind] = None if known is None or use.elements is None else known + use.elements
+    differences = []
+    for kind in sorted(set(traced_counts) | {kind for kind, count in counts.items() if count}):
+        if traced_counts[kind] != counts.get(kind, 0):
+            differences.append(f"{kind}: {traced_counts[kind]} traced, {counts.get(kind, 0)} measured")
+        elif traced_elements.get(kind) is not None and traced_elements[kind] != elements.get(kind, 0):
+            differences.append(f"{kind}: {traced_elements[kind]} elements traced, {elements.get(kind, 0)} measured")
+    return differences
+
+
 def _vals(args):
     return torch.utils._pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, args)
 

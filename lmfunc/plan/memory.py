@@ -180,18 +180,25 @@ class MemoryPlan:
     chunks_in_flight: Optional[int] = None
     """Pipeline ranks: the stage-microbatches whose activations are held at once (``activations``
     counts them all, with their stage's input and output hidden states); None without a pipeline."""
+    receive_buffers: int = 0
+    """Pipeline ranks: the buffers torch's stages receive activations and gradients into, one per
+    microbatch of each of the rank's stages, allocated at the first step and kept (0 without a
+    pipeline)."""
 
     def rows(self) -> list[tuple[str, int]]:
         kept = ("activations kept by the layers (1 microbatch)" if self.chunks_in_flight is None else
                 f"activations, {self.chunks_in_flight} stage-microbatches in flight")
         return [("fp32 params + Adam moments (donated state)", self.state), ("fp32 gradients", self.grads),
-                ("compute copies of the params", self.compute_copies),
+                ("compute copies of the params" if self.chunks_in_flight is None else
+                 "compute copies of one stage's params", self.compute_copies),
                 (kept, self.activations),
                 *([("scanned layers' stacked gradients (backward)", self.scan_gradients)] if self.scan_gradients else []),
                 ("embedding, output layer and logits chunk", self.head),
                 *([("attention backward over cp (masks, K/V grads)", self.attention_backward)]
                   if self.attention_backward else []),
                 *([("cuBLAS workspace (CUDA)", self.workspace)] if self.workspace else []),
+                *([("the stages' receive buffers (every microbatch)", self.receive_buffers)]
+                  if self.receive_buffers else []),
                 ("peak step memory", self.peak)]
 
 

@@ -13,20 +13,25 @@ step (``lmfunc.train.pipeline_step``) holds.
   stage's layer values (``layer_kept_bytes``, the MTP depths' on the last stage) and the stage's
   input and output hidden states (the schedule keeps both until the chunk's backward).
 - **the output layer's working set** on the last stage, one microbatch at a time (``head_bytes``).
+- **the receive buffers**: torch's stages allocate, at the first step and for good, a buffer for
+  every microbatch's received activations and one for its received gradients
+  (``receive_buffer_bytes``); Megatron receives into buffers as it goes.
 - **the update** runs after the schedule, on the whole gradients, compiled and donated (the
   trainer's ``make_pipeline_train_step(donate_state=True)``): it writes the new params and
   moments into the state's tensors and adds nothing beyond the gradients.
 
 The peak is the state, the compute copies and the gradients plus the schedule's activations in
-flight and the output layer.
+flight, the output layer and the receive buffers.
 
 The zbv and dualpipev schedules are not predicted (their V-shaped order has no count here yet).
 
-Accuracy, measured on the CPU (docs/performance.md): the counts of chunks in flight are exact; the
-bytes per chunk fall short, because the compiled stages keep about 1.2x the per-layer values of the
-one-graph step (AOTAutograd's partitioner chooses them, not lmfunc's saved-value and recompute
-passes). Over GPipe, 1F1B and interleaved 1F1B on pp 2 and 4 the prediction was 19% below to 4%
-above the measured step memory; the printout says so (``ACCURACY_NOTE``).
+Accuracy (docs/performance.md, docs/scale_out.md): the counts of chunks in flight and the receive
+buffers are exact; the bytes per chunk are the one-graph step's per-layer values, which the
+compiled stages do not keep exactly (AOTAutograd's partitioner chooses their saved values, not
+lmfunc's saved-value and recompute passes): about 1.25x of them in fp32 without recompute, where
+over GPipe, 1F1B and interleaved 1F1B on pp 2 and 4 (CPU) the prediction was 19% below to 0.3%
+above the measured step memory, and 0.9x in bf16 with selective recompute beside tp and SP, where
+Llama-3-70B's dry run on 512 ranks reads 6-10% under it; the printout says so (``ACCURACY_NOTE``).
 """
 
 from __future__ import annotations
@@ -38,13 +43,14 @@ from lmfunc.config.parallel import data_parallel_size
 from lmfunc.config.pipeline import PipelineSplit
 from lmfunc.config.train import TrainConfig
 from lmfunc.model import gpt
-from lmfunc.model.stages import rank_params
+from lmfunc.model.stages import rank_params, stage_params
 from lmfunc.parallel.sharding import COMPUTE_RULES, DEFAULT_RULES, Rules, local_shape
 from lmfunc.plan.memory import DTYPE_BYTES, MemoryPlan, head_bytes, layer_kept_bytes
 from lmfunc.tree import flatten_with_paths
 
-ACCURACY_NOTE = ("pipeline ranks are predicted with the one-graph step's per-layer values; measured on the CPU, the "
-                 "compiled stages' step memory was 4% below to 23% above this (docs/performance.md)")
+ACCURACY_NOTE = ("pipeline ranks are predicted with the one-graph step's per-layer values; the compiled stages' step "
+                 "memory measured 0.3% below to 23% above this on the CPU in fp32 (docs/performance.md), and "
+                 "their dry run reads 6-10% below it for Llama-3-70B in bf16 (docs/scale_out.md)")
 
 
 def chunks_in_flight(schedule: str, split: PipelineSplit, microbatches: int, rank: int) -> Optional[int]:
@@ -65,14 +71,34 @@ def chunks_in_flight(schedule: str, split: PipelineSplit, microbatches: int, ran
     return None
 
 
-def _rank_elements(cfg: TrainConfig, split: PipelineSplit, rank: int, sizes: dict[str, int],
-                   rules: Rules = DEFAULT_RULES) -> int:
-    """Parameter elements of pipeline rank ``rank``'s leaves on one data/tensor-parallel rank, laid out
-    by ``rules`` (storage; ``COMPUTE_RULES``: the compute layout)."""
+def _elements(specs, sizes: dict[str, int], rules: Rules = DEFAULT_RULES) -> int:
+    """Parameter elements of the leaves ``specs`` on one data/tensor-parallel rank, laid out by
+    ``rules`` (storage; ``COMPUTE_RULES``: the compute layout)."""
     others = {name: size for name, size in sizes.items() if name != "pp"}
-    specs = rank_params(gpt.param_specs(cfg.model), cfg.model, split, rank)
     return sum(math.prod(local_shape(spec.shape, spec.axes, others, rules))
                for _, spec in flatten_with_paths(specs, is_leaf=lambda x: hasattr(x, "axes")))
+
+
+def _rank_elements(cfg: TrainConfig, split: PipelineSplit, rank: int, sizes: dict[str, int],
+                   rules: Rules = DEFAULT_RULES) -> int:
+    """Parameter elements of pipeline rank ``rank``'s leaves (``_elements``)."""
+    return _elements(rank_params(gpt.param_specs(cfg.model), cfg.model, split, rank), sizes, rules)
+
+
+def _stage_compute_copy_bytes(cfg: TrainConfig, split: PipelineSplit, rank: int, sizes: dict[str, int]) -> int:
+    """The largest of rank ``rank``'s stages' compute copies (its leaves gathered over the
+    data-parallel dims and cast to the compute dtype): each stage call makes its own, and the
+    compiled stages keep none of them for the backward (``lmfunc.compiler.regather``), which makes
+    them again; 0 when the stages compute on the stored fp32 shards themselves."""
+    compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
+    specs = gpt.param_specs(cfg.model)
+    largest = 0
+    for stage in split.stages_of_rank(rank):
+        leaves = stage_params(specs, cfg.model, split, stage)
+        gathered = _elements(leaves, sizes, COMPUTE_RULES)
+        if compute_bytes < 4 or gathered != _elements(leaves, sizes):
+            largest = max(largest, compute_bytes * gathered)
+    return largest
 
 
 def _stage_kept_bytes(cfg: TrainConfig, split: PipelineSplit, stage: int, tp: int) -> float:
@@ -83,6 +109,26 @@ def _stage_kept_bytes(cfg: TrainConfig, split: PipelineSplit, stage: int, tp: in
     if split.holds_head(stage):
         layers += [m.moe_layers[-1]] * m.mtp_num_layers
     return sum(layer_kept_bytes(cfg, tp, m.recompute_granularity, moe=is_moe) for is_moe in layers)
+
+
+def hidden_state_bytes(cfg: TrainConfig, sizes: dict[str, int]) -> int:
+    """Bytes of the hidden states ``[B, S', h]`` one microbatch passes between two stages on one rank
+    (``pipeline_stages.StageShapes``): the compute dtype, ``S' = S / cp``, and ``/ tp`` with sequence
+    parallelism."""
+    m, tp = cfg.model, sizes.get("tp", 1)
+    hidden_split = tp if m.sequence_parallel and tp > 1 else 1
+    tokens = cfg.run.micro_batch_size * (cfg.data.seq_length // sizes.get("cp", 1)) // hidden_split
+    return tokens * m.hidden_size * DTYPE_BYTES[cfg.precision.compute_dtype]
+
+
+def receive_buffer_bytes(cfg: TrainConfig, split: PipelineSplit, sizes: dict[str, int], rank: int,
+                         microbatches: int) -> int:
+    """The buffers pipeline rank ``rank``'s stages receive into: torch's ``PipelineStage`` allocates,
+    at the step's first run and for good, one hidden state per microbatch for each of its stages
+    that receives activations (all but the embedding's) and one for each that receives gradients
+    (all but the output layer's)."""
+    receiving = sum((not split.holds_embedding(s)) + (not split.holds_head(s)) for s in split.stages_of_rank(rank))
+    return receiving * microbatches * hidden_state_bytes(cfg, sizes)
 
 
 def predict_pipeline_rank(cfg: TrainConfig, sizes: dict[str, int], rank: int) -> Optional[MemoryPlan]:
@@ -96,23 +142,22 @@ def predict_pipeline_rank(cfg: TrainConfig, sizes: dict[str, int], rank: int) ->
     if chunks is None:
         return None
     tp = sizes.get("tp", 1)
-    compute_bytes = DTYPE_BYTES[cfg.precision.compute_dtype]
     params = _rank_elements(cfg, split, rank, sizes)
-    gathered = _rank_elements(cfg, split, rank, sizes, COMPUTE_RULES)
-    compute_copies = compute_bytes * gathered if compute_bytes < 4 or gathered != params else 0
-    hidden_split = tp if m.sequence_parallel and tp > 1 else 1
-    boundary = 2 * cfg.run.micro_batch_size * cfg.data.seq_length * m.hidden_size * compute_bytes / hidden_split
-    per_chunk = max(_stage_kept_bytes(cfg, split, s, tp) + boundary for s in split.stages_of_rank(rank))
+    compute_copies = _stage_compute_copy_bytes(cfg, split, rank, sizes)
+    output = hidden_state_bytes(cfg, sizes)
+    per_chunk = max(_stage_kept_bytes(cfg, split, s, tp) + (0 if split.holds_head(s) else output)
+                    for s in split.stages_of_rank(rank))
     activations = int(chunks * per_chunk)
     holds_head = any(split.holds_head(s) for s in split.stages_of_rank(rank))
     head = head_bytes(cfg, tp) if holds_head else 0
+    receive = receive_buffer_bytes(cfg, split, sizes, rank, microbatches)
     state, grads = 12 * params, 4 * params
-    peak = state + compute_copies + grads + activations + head
+    peak = state + compute_copies + grads + activations + head + receive
     note = (f"pipeline rank {rank} of {split.pp}: {p.pp_schedule} holds at most {chunks} stage-microbatches "
             f"in flight ({microbatches} microbatches per step)")
     return MemoryPlan(sizes=dict(sizes), params=params, state=state, grads=grads, compute_copies=compute_copies,
                       activations=activations, scan_gradients=0, head=head, peak=peak, notes=(note, ACCURACY_NOTE),
-                      chunks_in_flight=chunks)
+                      chunks_in_flight=chunks, receive_buffers=receive)
 
 
 def predict_pipeline_memory(cfg: TrainConfig, sizes: dict[str, int]) -> Optional[MemoryPlan]:
