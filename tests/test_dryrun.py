@@ -46,6 +46,10 @@ def test_fsdp_dry_run_gives_the_bucketed_collectives_and_megatrons_flops(refused
     # plan (+11.9% on this AMD EPYC since the tied embedding's two reductions stay two buckets per
     # microbatch, +8.6% before), where keeping every gathered parameter for the backward read +31.6%
     assert role["memory"]["peak_bytes"] < 1.12 * role["memory"]["plan_peak_bytes"]
+    # one graph's peak splits into its inputs and its scheduled buffers, as the plan's into its state and the rest
+    (state, state_plan), (buffers, buffers_plan) = ((t["bytes"], t["plan_bytes"]) for t in role["memory"]["terms"])
+    assert state == role["memory"]["input_bytes"] and state + buffers == role["memory"]["peak_bytes"]
+    assert state_plan + buffers_plan == role["memory"]["plan_peak_bytes"]
 
 
 def test_a_layout_that_does_not_fit_is_refused_naming_the_role_and_its_largest_term(refused_fsdp_run):
@@ -116,8 +120,9 @@ def test_a_pipeline_dry_run_reports_each_stage_role():
     """pp 2, 1F1B, 4 microbatches of 2 x 64 tokens: the first and the last pipeline rank are traced
     (their stages' compiled forward and backward, the schedule's sends, the update); their FLOPs add
     up to Megatron's count for the step; each rank sends one activation (or gradient) of
-    ``[2, 64, h]`` fp32 per microbatch and receives as many; the tied embedding's gradient is summed
-    over the first and last stage."""
+    ``[2, 64, h]`` fp32 per microbatch and receives as many, into a buffer per microbatch that its
+    stage keeps (the plan's receive buffers, exactly); the tied embedding's gradient is summed
+    over the first and last stage. Each role's peak is split as the plan splits it."""
     cfg, _ = parse_config([*TINY, "--parallel.pp", "2"], "x", "x")
     cfg = cfg.validate(2)
     report = dry_run([*TINY, "--parallel.pp", "2", "--world-size", "2"])
@@ -133,6 +138,12 @@ def test_a_pipeline_dry_run_reports_each_stage_role():
         assert sent[("all_reduce", "pp")] == (3, embedding + 2)  # the tied embedding; the norm and the metrics
         assert role["memory"]["peak_bytes"] > role["memory"]["input_bytes"] > 0
         assert role["projection"]["bubble_seconds"] == pytest.approx(role["projection"]["compute_seconds"] / 4)
+        # the peak split as the plan splits it; torch's stages keep a receive buffer per microbatch
+        # (the first stage's for gradients, the last's for activations), as many as the plan counts
+        terms = {t["term"]: (t["bytes"], t["plan_bytes"]) for t in role["memory"]["terms"]}
+        assert sum(got for got, _ in terms.values()) == role["memory"]["peak_bytes"]
+        assert terms["receive buffers"] == (4 * activation * 4, 4 * activation * 4)
+        assert terms["state and batch"][0] == role["memory"]["input_bytes"]
 
 
 def test_a_peak_between_the_graphs_is_split_by_what_made_it():

@@ -86,7 +86,7 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
     if sizes["pp"] == 1:
         reports.append(role_report(role_name(sizes, known.expert_load),
                                    dry_run_facts(cfg, world, rank=0, expert_load=known.expert_load), hw,
-                                   plan.lmfunc.peak if plan.lmfunc else None, even_share))
+                                   plan.lmfunc, even_share))
     else:
         microbatches = batch_plan(cfg, world).num_microbatches_at(0)
         stages_per_rank = cfg.parallel.pipeline_split(cfg.model.num_layers, sizes["pp"]).stages_per_rank
@@ -94,7 +94,7 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
         for name, pipeline_index, rank in pipeline_roles(sizes, world):
             rank_plan = predict_pipeline_rank(cfg, sizes, pipeline_index)
             reports.append(role_report(name, trace_pipeline_rank(cfg, world, rank, known.expert_load), hw,
-                                       rank_plan.peak if rank_plan else None, even_share, bubble))
+                                       rank_plan, even_share, bubble))
     for report in reports:
         print(format_report(report, hw))
     result = {"world_size": world, "sizes": sizes, "expert_load": known.expert_load, "roles": [report_json(report, hw) for report in reports]}

@@ -208,9 +208,10 @@ NO_COMPILE_CACHES = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
 the lowering the capture reads."""
 
 
-GraphRunner = Callable[[int, torch.fx.GraphModule], Callable]
-"""``runner(index, graph)``: a boxed callable that runs ``graph`` (AOTAutograd's forward or backward
-graph, before Inductor's passes), the ``index``-th graph put in the sink."""
+GraphRunner = Callable[[int, torch.fx.GraphModule, str], Callable]
+"""``runner(index, graph, kind)``: a boxed callable that runs ``graph`` (AOTAutograd's forward or
+backward graph, before Inductor's passes), the ``index``-th graph put in the sink; ``kind`` is
+``"forward"``, ``"backward"`` or ``"inference"`` (a function compiled without autograd)."""
 
 
 def capturing_backend(sink: list, options: dict, runner: Optional[GraphRunner] = None) -> Callable:
@@ -245,7 +246,8 @@ def capturing_backend(sink: list, options: dict, runner: Optional[GraphRunner] =
                 raise
         if runner is None:
             raise _Captured()
-        return runner(len(sink) - 1, runnable)
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        return runner(len(sink) - 1, runnable, kind)
 
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         patches = {**options_for_graph(graph, options), **NO_COMPILE_CACHES}

@@ -24,7 +24,7 @@ from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
 from lmfunc.dryrun.capture import batch_plan, trace_rank
 from lmfunc.train.run_step import even_expert_share
-from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, step_facts
+from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, one_graph_terms, step_facts
 from lmfunc.parallel.mesh import Layout
 
 FIT_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))
@@ -118,8 +118,9 @@ def _dry_run_facts(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
         uses.append(CollectiveUse(use.kind, use.dims, at(f"{key}: count"), None if use.elements is None else elements,
                                   None if use.bytes is None else nbytes))
     peak, how = _peak(traced, layers, microbatches)
-    memory = MemoryReport(peak, at("inputs"), f"{base.memory.at_node} of the 3-layer, 3-microbatch trace",
-                          base.memory.largest)
+    inputs = at("inputs")
+    memory = MemoryReport(peak, inputs, f"{base.memory.at_node} of the 3-layer, 3-microbatch trace",
+                          base.memory.largest, one_graph_terms(peak, inputs))
     description = (f"extrapolated to {layers} layers and {microbatches} microbatches from traces of 1-2 layers x 1-2 "
                    f"microbatches, checked exactly against a trace of 3 x 3 (collectives, FLOPs, inputs); {how}")
     return StepFacts(uses, at("flops"), base.flops_estimated_ops, memory, base.dims_ranks, rank,

@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from lmfunc.dryrun.capture import CapturedStep, estimated
+from lmfunc.plan.memory import BUFFERS_TERM, STATE_TERM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,14 +250,24 @@ class MemoryReport:
     """Where in Inductor's schedule the peak is reached."""
     largest: list[tuple[str, int]]
     """The largest buffers live at the peak: (name and ops, bytes)."""
+    terms: tuple[tuple[str, int], ...] = ()
+    """The peak split as ``lmfunc.plan`` splits its own (``MemoryPlan.terms``): (term, bytes), adding
+    up to ``peak``."""
+
+
+def one_graph_terms(peak: int, inputs: int) -> tuple[tuple[str, int], ...]:
+    """A one-graph step's peak split: its inputs and the buffers its schedule holds there (kept
+    activations, gradients and working set, which one graph's buffers do not tell apart)."""
+    return (STATE_TERM, inputs), (BUFFERS_TERM, peak - inputs)
 
 
 def memory(step: CapturedStep) -> MemoryReport:
     """Peak bytes of the compiled step (module docstring)."""
     inputs = sum(_tensor_bytes(value) or 0 for value in step.inputs)
     scheduled = step.scheduled
-    return MemoryReport(inputs + scheduled.peak, inputs, f"scheduled node {scheduled.at_step} of {scheduled.steps}",
-                        scheduled.largest)
+    peak = inputs + scheduled.peak
+    return MemoryReport(peak, inputs, f"scheduled node {scheduled.at_step} of {scheduled.steps}", scheduled.largest,
+                        one_graph_terms(peak, inputs))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ from lmfunc.dryrun.capture import CapturedStep, batch_plan, capturing_backend, e
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, collective_kind, collectives, flops
 from lmfunc.dryrun.world import fake_world, group_dims, mesh_of
 from lmfunc.parallel.mesh import Layout
+from lmfunc.plan.memory import GRADIENTS_TERM, KEPT_TERM, RECEIVE_TERM, STATE_TERM, WORKING_TERM
 from lmfunc.precision import compute_dtype
 from lmfunc.train.make_optimizer import run_optimizer
 from lmfunc.train.pipeline_run import init_rank_params, pipeline_rank, pipeline_steps
@@ -59,6 +60,14 @@ from lmfunc.train.state import TrainState
 EAGER_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast": "broadcast", "send": "send",
                "recv": "recv", "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all"}
 """torch's ``c10d`` ops (what ``torch.distributed``'s eager calls dispatch), by the collective they are."""
+
+
+GRAPH_OUTPUTS = "outputs of captured graph "
+INPUTS = "the step's inputs (state, batch)"
+RECEIVE_BUFFERS = "the stages' receive buffers"
+"""What made a tensor kept between the graphs (``StepRecorder.by_maker``'s keys): a captured graph
+(its index follows), the step's caller, torch's stages allocating their receive buffers
+(``StepRecorder.receive_buffers``), or another eager op (``eager`` and its name)."""
 
 
 def _storage_bytes(tensor: torch.Tensor) -> tuple[Optional[object], int]:
@@ -93,6 +102,10 @@ class StepRecorder(TorchDispatchMode):
         self.peak_between_graphs = 0
         self.makers_at_peak: Counter = Counter()
         """``by_maker`` when ``peak_between_graphs`` was reached."""
+        self.allocating: Optional[str] = None
+        """What the tensors made now are (``receive_buffers``); None: the eager op that makes them."""
+        self.graph_kinds: dict[int, str] = {}
+        """Captured graph -> ``"forward"``, ``"backward"`` or ``"inference"`` (``capture.GraphRunner``)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -100,7 +113,7 @@ class StepRecorder(TorchDispatchMode):
         compiled functions run."""
         return True
 
-    def hold(self, tree, maker: str = "the step's inputs (state, batch)") -> None:
+    def hold(self, tree, maker: str = INPUTS) -> None:
         """Count every tensor in ``tree`` as alive until it is freed, as made by ``maker``."""
         for leaf in tree_leaves(tree):
             if isinstance(leaf, torch.Tensor):
@@ -136,11 +149,20 @@ class StepRecorder(TorchDispatchMode):
     """Higher-order operators (the RNG state's ``run_and_save_rng_state`` in a stage's graph) pass
     through, uncounted: they run inside the captured graphs only."""
 
+    @contextlib.contextmanager
+    def receive_buffers(self) -> Iterator[None]:
+        """While inside, the tensors made are counted as the stages' receive buffers."""
+        self.allocating, before = RECEIVE_BUFFERS, self.allocating
+        try:
+            yield
+        finally:
+            self.allocating = before
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.inside and not isinstance(func, torch._ops.HigherOrderOperator):
             self._record_collective(func, args)
-            self.hold(out, f"eager {func.overloadpacket.__name__}")
+            self.hold(out, self.allocating or f"eager {func.overloadpacket.__name__}")
             if self.live() > self.peak_between_graphs:
                 self.peak_between_graphs, self.makers_at_peak = self.live(), +self.by_maker
         return out
@@ -175,8 +197,9 @@ class StepRecorder(TorchDispatchMode):
                     positions.add(position)
         return frozenset(positions)
 
-    def runner(self, index: int, graph: torch.fx.GraphModule):
+    def runner(self, index: int, graph: torch.fx.GraphModule, kind: str):
         makers = _output_makers(graph)
+        self.graph_kinds[index] = kind
 
         def run(args: list):
             self.calls.append((index, self.live(), self._freeable(args), +self.by_maker))
@@ -189,7 +212,7 @@ class StepRecorder(TorchDispatchMode):
             for maker, leaf in zip(makers, outputs):
                 if isinstance(leaf, torch.Tensor):
                     storage, size = _storage_bytes(leaf)
-                    if self._hold_storage(storage, size, f"outputs of captured graph {index}"):
+                    if self._hold_storage(storage, size, f"{GRAPH_OUTPUTS}{index}"):
                         kept[maker] += size
                     self.made_by_graphs[storage] = True
             self.kept_per_call.setdefault(index, kept)
@@ -197,6 +220,26 @@ class StepRecorder(TorchDispatchMode):
 
         run._boxed_call = True
         return run
+
+
+def plan_terms(makers: Counter, graph_kinds: dict[int, str], working: int) -> tuple[tuple[str, int], ...]:
+    """The bytes kept between the graphs, by what made them (``makers``), and a graph's own buffers
+    (``working``), split as ``lmfunc.plan`` splits a pipeline rank's peak: the state and batch, the
+    gradients (kept outputs of the backward graphs), the kept activations (of the forward graphs),
+    the receive buffers and the working set; anything else eager (metrics, token counts) counts as
+    working set."""
+    terms = Counter({STATE_TERM: 0, GRADIENTS_TERM: 0, KEPT_TERM: 0, RECEIVE_TERM: 0, WORKING_TERM: working})
+    for maker, size in makers.items():
+        if maker == INPUTS:
+            terms[STATE_TERM] += size
+        elif maker.startswith(GRAPH_OUTPUTS):
+            kind = graph_kinds.get(int(maker.removeprefix(GRAPH_OUTPUTS)))
+            terms[GRADIENTS_TERM if kind == "backward" else KEPT_TERM if kind == "forward" else STATE_TERM] += size
+        elif maker == RECEIVE_BUFFERS:
+            terms[RECEIVE_TERM] += size
+        else:
+            terms[WORKING_TERM] += size
+    return tuple(terms.items())
 
 
 def _output_makers(graph: torch.fx.GraphModule) -> list[str]:
@@ -225,8 +268,19 @@ def _static_vote(self, stages, has_backward, p2p_done) -> None:
 
 
 @contextlib.contextmanager
-def _dry_run_settings() -> Iterator[None]:
+def _dry_run_settings(recorder: StepRecorder) -> Iterator[None]:
+    """torch's start-up vote given its outcome (``_static_vote``), no compile cache, and the stages'
+    receive buffers counted as such (torch's ``stage._make_tensor_from_meta`` makes each one)."""
+    from torch.distributed.pipelining import stage
+
+    make_buffer = stage._make_tensor_from_meta
+
+    def receive_buffer(*args, **kwargs):
+        with recorder.receive_buffers():
+            return make_buffer(*args, **kwargs)
+
     with mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", _static_vote), \
+            mock.patch.object(stage, "_make_tensor_from_meta", receive_buffer), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         yield
 
@@ -266,7 +320,7 @@ def _trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFa
     began = time.perf_counter()
     sink: list = []
     recorder = StepRecorder()
-    with fake_world(world_size, rank), _dry_run_settings():
+    with fake_world(world_size, rank), _dry_run_settings(recorder):
         mesh = mesh_of(sizes)
         pipe = pipeline_rank(cfg, Layout(dict(sizes), mesh))
         fake = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())  # .item() in a graph: a symbol
@@ -320,17 +374,19 @@ def _facts(sink: list, recorder: StepRecorder, inputs: int, names: dict[str, str
 
     peak, at = recorder.peak_between_graphs, "between the graphs"
     largest = kept_terms(peak, recorder.makers_at_peak)
+    terms = plan_terms(recorder.makers_at_peak, recorder.graph_kinds, 0)
     for call, (index, live, freeable, makers) in enumerate(recorder.calls):
         scheduled = graphs[index].scheduled
         working = scheduled.peak_freeing(freeable)
         if live + working > peak:
             peak, at = live + working, f"call {call + 1} of {len(recorder.calls)}: captured graph {index}"
             largest = [*kept_terms(live, makers), ("the graph's own buffers at its peak", working)]
+            terms = plan_terms(makers, recorder.graph_kinds, working)
     if recorder.kept_per_call:
         index, kept = max(recorder.kept_per_call.items(), key=lambda item: sum(item[1].values()))
         largest.append((f"of what is kept, one call of captured graph {index} keeps", sum(kept.values())))
         largest += [(f"  of it, made by {maker}", size) for maker, size in kept.most_common(3)]
-    memory = MemoryReport(peak, inputs, at, largest)
+    memory = MemoryReport(peak, inputs, at, largest, terms)
     traced = (f"the pipeline rank's step run on fake tensors: {len(graphs)} compiled graphs captured, called "
               f"{len(recorder.calls)} times over {microbatches} microbatches")
     return StepFacts(collective_uses, total_flops, sized, memory, dims_ranks, rank, seconds, traced)

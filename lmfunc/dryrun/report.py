@@ -25,6 +25,7 @@ from typing import Optional
 from lmfunc.config.model import ConfigError
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts
 from lmfunc.metrics import table_peak_flops
+from lmfunc.plan.memory import MemoryPlan
 
 GiB = 2**30
 DATA_PARALLEL = {"dp_replicate", "dp_shard", "dp_replicate+dp_shard"}
@@ -102,6 +103,8 @@ class RoleReport:
     plan_flops: float
     """Megatron's count for an even share of the step (``lmfunc.plan``: no recompute): the MFU numerator."""
     bubble_seconds: float = 0.0
+    plan_terms: tuple[tuple[str, int], ...] = ()
+    """``lmfunc.plan``'s peak split as the dry run's (``MemoryPlan.terms``); empty without a plan."""
 
     @property
     def step_seconds(self) -> float:
@@ -111,10 +114,11 @@ class RoleReport:
         return self.plan_flops / (self.step_seconds * hw.peak_flops)
 
 
-def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[int], plan_flops: float,
+def role_report(role: str, facts: StepFacts, hw: Hardware, plan: Optional[MemoryPlan], plan_flops: float,
                 bubble_fraction: float = 0.0) -> RoleReport:
-    """The report of one role's step ``facts`` on ``hw`` (module docstring); ``bubble_fraction``: the
-    pipeline's idle time, a fraction of the compute."""
+    """The report of one role's step ``facts`` on ``hw`` (module docstring) beside ``lmfunc.plan``'s
+    memory ``plan`` for it (None where the plan does not predict the layout); ``bubble_fraction``:
+    the pipeline's idle time, a fraction of the compute."""
     compute = facts.flops / hw.peak_flops
     times, data_parallel, exposed = [], 0.0, 0.0
     for use in facts.collectives:
@@ -132,7 +136,8 @@ def role_report(role: str, facts: StepFacts, hw: Hardware, plan_peak: Optional[i
             exposed += seconds or 0.0
     exposed += max(0.0, data_parallel - compute)
     return RoleReport(role, facts.rank, facts.trace_seconds, facts.traced, facts.memory, times, facts.flops,
-                      facts.flops_estimated_ops, compute, exposed, plan_peak, plan_flops, compute * bubble_fraction)
+                      facts.flops_estimated_ops, compute, exposed, plan.peak if plan else None, plan_flops,
+                      compute * bubble_fraction, plan.terms() if plan else ())
 
 
 def check_fits(report: RoleReport, hw: Hardware) -> None:
@@ -164,6 +169,11 @@ def format_report(report: RoleReport, hw: Hardware) -> str:
              f"  memory: peak {_gib(mem.peak)} (plan {_gib(report.plan_peak)}, "
              f"{_percent(mem.peak, report.plan_peak)}); the step's inputs (params, optimizer state, batch) "
              f"{_gib(mem.inputs)}; at node {mem.at_node}"]
+    if mem.terms:
+        planned = dict(report.plan_terms)
+        lines.append("    split like the plan: " + "; ".join(
+            f"{name} {_gib(size)} (plan {_gib(planned.get(name))}, {_percent(size, planned.get(name))})"
+            for name, size in mem.terms))
     lines += [f"    live there: {name} {_gib(size)}" for name, size in mem.largest]
     lines.append(f"  FLOPs: {report.flops:.4g} on the graph (recomputation included); Megatron's count for an even share "
                  f"{report.plan_flops:.4g} ({_percent(report.flops, report.plan_flops)})"
@@ -197,6 +207,7 @@ def report_json(report: RoleReport, hw: Hardware) -> dict:
         "role": report.role, "rank": report.rank, "trace_seconds": report.trace_seconds, "traced": report.traced,
         "memory": {"peak_bytes": mem.peak, "input_bytes": mem.inputs, "at_node": mem.at_node,
                    "largest": [{"buffer": n, "bytes": b} for n, b in mem.largest],
+                   "terms": [{"term": n, "bytes": b, "plan_bytes": dict(report.plan_terms).get(n)} for n, b in mem.terms],
                    "plan_peak_bytes": report.plan_peak},
         "flops": report.flops, "flops_estimated_ops": report.flops_estimated_ops, "plan_flops": report.plan_flops,
         "collectives": [{"kind": t.use.kind, "dims": t.use.dims, "count": t.use.count, "elements": t.use.elements,

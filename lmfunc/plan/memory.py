@@ -153,6 +153,16 @@ recomputed boolean mask made additive in the compute dtype, and the kernel's cop
 ``[mask batch, seq / cp, seq]`` (mask batch: the micro batch with document masks, else 1)."""
 
 
+STATE_TERM = "state and batch"
+GRADIENTS_TERM = "gradients"
+KEPT_TERM = "kept activations"
+RECEIVE_TERM = "receive buffers"
+WORKING_TERM = "working set"
+BUFFERS_TERM = "kept activations, gradients and working set"
+"""The names of a peak's terms, shared by the plan (``MemoryPlan.terms``) and the dry run
+(``lmfunc.dryrun``'s ``MemoryReport.terms``), which prints them side by side."""
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Predicted bytes on the most-loaded rank of a layout (``predict_memory``)."""
@@ -184,6 +194,15 @@ class MemoryPlan:
     """Pipeline ranks: the buffers torch's stages receive activations and gradients into, one per
     microbatch of each of the rank's stages, allocated at the first step and kept (0 without a
     pipeline)."""
+
+    def terms(self) -> tuple[tuple[str, int], ...]:
+        """The peak split as the dry run splits its own: for a pipeline rank its state, gradients,
+        activations in flight, receive buffers and working set (compute copies, output layer); for
+        one graph its state and the rest (the phases' largest is not a sum of terms)."""
+        if self.chunks_in_flight is None:
+            return (STATE_TERM, self.state), (BUFFERS_TERM, self.peak - self.state)
+        return ((STATE_TERM, self.state), (GRADIENTS_TERM, self.grads), (KEPT_TERM, self.activations),
+                (RECEIVE_TERM, self.receive_buffers), (WORKING_TERM, self.compute_copies + self.head + self.workspace))
 
     def rows(self) -> list[tuple[str, int]]:
         kept = ("activations kept by the layers (1 microbatch)" if self.chunks_in_flight is None else
