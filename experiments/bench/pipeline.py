@@ -139,7 +139,7 @@ def _train_config(cfg, schedule: str, pp: int, virtual: int, microbatches: int):
                        parallel=ParallelConfig(pp=pp, pp_schedule=schedule, virtual_stages=virtual if virtual > 1 else None))
 
 
-def receive_buffer_bytes(stages) -> int:
+def held_receive_buffer_bytes(stages) -> int:
     """Bytes of the buffers torch's ``stages`` receive activations and gradients into: one per
     microbatch each, allocated at the schedule's first step and kept."""
     infos = [info for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
@@ -152,7 +152,7 @@ def _step_memory(step, state, batch) -> tuple:
     """(state, bytes the state, the batch and the stages' receive buffers hold, the allocator's peak
     above them during one step)."""
     held = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves((state, batch))
-               if isinstance(t, torch.Tensor)) + receive_buffer_bytes(_stages(step.schedule()))
+               if isinstance(t, torch.Tensor)) + held_receive_buffer_bytes(_stages(step.schedule()))
     (state, _), peak = allocator_peak_bytes(lambda: step(state, batch))
     return state, held, peak
 

@@ -115,10 +115,11 @@ def measure(cfg, world: int) -> dict:
     result = {}
     if cfg.model.num_experts and layout.sizes.get("ep", 1) == layout.data_parallel_size > 1:
         result["expert_rows_vs_even"] = expert_rows_vs_even_share(state.params, batch["tokens"], cfg.model, layout.sizes["ep"])
-    if layout.mesh is not None:  # the collectives of one more step (rank 0's are reported, the dry run's rank)
+    if layout.mesh is not None:
+        # the collectives of one more step (rank 0's are reported: the dry run's rank)
         with even_expert_share(cfg, layout.sizes):
             result["collectives"], result["elements"] = step_collectives(lambda: step(state, batch))
-    if layout.mesh is not None:  # every rank's numbers; the most-loaded rank's reported
+        # every rank's numbers; the most-loaded rank's reported
         ranks = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(ranks, mine)
         mine = max(ranks, key=lambda r: int(r[2]))

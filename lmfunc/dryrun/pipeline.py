@@ -226,8 +226,8 @@ def plan_terms(makers: Counter, graph_kinds: dict[int, str], working: int) -> tu
     """The bytes kept between the graphs, by what made them (``makers``), and a graph's own buffers
     (``working``), split as ``lmfunc.plan`` splits a pipeline rank's peak: the state and batch, the
     gradients (kept outputs of the backward graphs), the kept activations (of the forward graphs),
-    the receive buffers and the working set; anything else eager (metrics, token counts) counts as
-    working set."""
+    the receive buffers and the working set; the update's outputs (the new state) count as state,
+    anything else eager (metrics, token counts) as working set."""
     terms = Counter({STATE_TERM: 0, GRADIENTS_TERM: 0, KEPT_TERM: 0, RECEIVE_TERM: 0, WORKING_TERM: working})
     for maker, size in makers.items():
         if maker == INPUTS:

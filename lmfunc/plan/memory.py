@@ -189,7 +189,7 @@ class MemoryPlan:
     """What the user should know about the prediction (printed under it)."""
     chunks_in_flight: Optional[int] = None
     """Pipeline ranks: the stage-microbatches whose activations are held at once (``activations``
-    counts them all, with their stage's input and output hidden states); None without a pipeline."""
+    counts them all, with their stage's output hidden states); None without a pipeline."""
     receive_buffers: int = 0
     """Pipeline ranks: the buffers torch's stages receive activations and gradients into, one per
     microbatch of each of the rank's stages, allocated at the first step and kept (0 without a

@@ -11,7 +11,7 @@ step (``lmfunc.train.pipeline_step``) holds.
   has run forward and not yet backward (``chunks_in_flight``): GPipe all m, 1F1B at most p - r on
   pipeline rank r, the interleaved schedules torch's warm-up count plus one. Each chunk keeps its
   stage's layer values (``layer_kept_bytes``, the MTP depths' on the last stage) and the stage's
-  input and output hidden states (the schedule keeps both until the chunk's backward).
+  output hidden states until the chunk's backward (its input is one of the receive buffers).
 - **the output layer's working set** on the last stage, one microbatch at a time (``head_bytes``).
 - **the receive buffers**: torch's stages allocate, at the first step and for good, a buffer for
   every microbatch's received activations and one for its received gradients
