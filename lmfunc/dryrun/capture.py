@@ -25,6 +25,7 @@ from lmfunc.compiler.compiling import compile_settings, inductor_options, option
 from lmfunc.compiler.saved_values import size_estimate
 from lmfunc.config.train import TrainConfig
 from lmfunc.data.batch import lm_batch
+from lmfunc.dryrun.buffer_terms import split_peak
 from lmfunc.dryrun.world import fake_world, group_dims, mesh_of
 from lmfunc.parallel.mesh import Layout
 from lmfunc.parallel.sharding import local_batch_to_dtensor
@@ -73,6 +74,9 @@ class ScheduledMemory:
     """The largest buffers live at the peak: (buffer name and the ops it holds, bytes)."""
     per_step: tuple[int, ...] = ()
     """Bytes of the buffers live at each scheduled node."""
+    terms: tuple[tuple[str, int], ...] = ()
+    """``peak`` split into gradients, kept activations and working set by the values its buffers hold
+    (``lmfunc.dryrun.buffer_terms``)."""
     input_last_uses: tuple[tuple[int, int, int], ...] = ()
     """(position among the graph's inputs, the scheduled node that last reads it, its bytes) of each
     input tensor: the compiled graph frees an input after that node unless its caller holds it."""
@@ -181,7 +185,8 @@ def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
         return f"{buffer.get_name()} ({', '.join(ops)})" if ops else buffer.get_name()
 
     return ScheduledMemory(peak, at, len(nodes), [(name(info), info.size_alloc) for info in live[:largest]],
-                           tuple(per_step), _input_last_uses(lowering, nodes))
+                           tuple(per_step), split_peak(lowering.orig_gm.graph, infos, at, peak) if per_step else (),
+                           _input_last_uses(lowering, nodes))
 
 
 @contextlib.contextmanager

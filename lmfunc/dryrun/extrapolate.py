@@ -24,7 +24,8 @@ from lmfunc.config.model import ConfigError
 from lmfunc.config.train import TrainConfig
 from lmfunc.dryrun.capture import batch_plan, trace_rank
 from lmfunc.train.run_step import even_expert_share
-from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, one_graph_terms, step_facts
+from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, step_facts
+from lmfunc.plan.memory import STATE_TERM, WORKING_TERM
 from lmfunc.parallel.mesh import Layout
 
 FIT_POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))
@@ -117,32 +118,32 @@ def _dry_run_facts(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
         elements, nbytes = at(f"{key}: elements"), at(f"{key}: bytes")
         uses.append(CollectiveUse(use.kind, use.dims, at(f"{key}: count"), None if use.elements is None else elements,
                                   None if use.bytes is None else nbytes))
-    peak, how = _peak(traced, layers, microbatches)
-    inputs = at("inputs")
-    memory = MemoryReport(peak, inputs, f"{base.memory.at_node} of the 3-layer, 3-microbatch trace",
-                          base.memory.largest, one_graph_terms(peak, inputs))
+    memory, how = _extrapolated_memory(traced, layers, microbatches, at("inputs"))
     description = (f"extrapolated to {layers} layers and {microbatches} microbatches from traces of 1-2 layers x 1-2 "
                    f"microbatches, checked exactly against a trace of 3 x 3 (collectives, FLOPs, inputs); {how}")
     return StepFacts(uses, at("flops"), base.flops_estimated_ops, memory, base.dims_ranks, rank,
                      time.perf_counter() - began, description)
 
 
-def _peak(traced, layers: int, microbatches: int) -> tuple[int, str]:
-    """The step's peak memory at ``layers`` and ``microbatches``, and how it was obtained: affine in
-    the depth at ``min(microbatches, 3)`` microbatches (fitted at ``PEAK_FIT_DEPTHS`` layers, held
-    to the ``PEAK_CHECK_DEPTH``-layer trace within ``MEMORY_TOLERANCE``; a step no deeper than the
-    fit's depths is traced at its depth); beyond 3 microbatches, what the peak still grew from 2 to 3
-    microbatches is added for each further one (an upper bound), unless it stopped growing."""
+def _peak_weights(traced, layers: int, microbatches: int) -> tuple[dict[tuple[int, int], float], str]:
+    """The step's peak memory at ``layers`` and ``microbatches`` as a weighted sum of traces' peaks
+    ((layers, microbatches) -> weight), and how it was obtained: affine in the depth at
+    ``min(microbatches, 3)`` microbatches (fitted at ``PEAK_FIT_DEPTHS`` layers, held to the
+    ``PEAK_CHECK_DEPTH``-layer trace within ``MEMORY_TOLERANCE``; a step no deeper than the fit's
+    depths is traced at its depth); beyond 3 microbatches, what the peak still grew from 2 to 3
+    microbatches is added for each further one (an upper bound), unless it stopped growing. The
+    same weights split the peak into its terms."""
     m = min(microbatches, 3)
+    peak_of = lambda point: traced(point).memory.peak  # noqa: E731
     if layers <= max(PEAK_FIT_DEPTHS):
-        peak = traced((layers, m)).memory.peak
+        weights = {(layers, m): 1.0}
         if microbatches <= 3:
-            return peak, f"peak memory of the {layers}-layer trace at {m} microbatches"
+            return weights, f"peak memory of the {layers}-layer trace at {m} microbatches"
         how = f"peak memory of the {layers}-layer trace at 3 microbatches"
-        per_microbatch = peak - traced((layers, 2)).memory.peak
+        growth = {(layers, 3): 1.0, (layers, 2): -1.0}
     else:
         low, high = PEAK_FIT_DEPTHS
-        peaks = {n: traced((n, m)).memory.peak for n in (*PEAK_FIT_DEPTHS, PEAK_CHECK_DEPTH)}
+        peaks = {n: peak_of((n, m)) for n in (*PEAK_FIT_DEPTHS, PEAK_CHECK_DEPTH)}
         slope = (peaks[high] - peaks[low]) / (high - low)
         predicted = round(peaks[low] + (PEAK_CHECK_DEPTH - low) * slope)
         if abs(predicted - peaks[PEAK_CHECK_DEPTH]) > MEMORY_TOLERANCE * peaks[PEAK_CHECK_DEPTH]:
@@ -150,15 +151,33 @@ def _peak(traced, layers: int, microbatches: int) -> tuple[int, str]:
                               f"bytes) is not the {predicted:,} that {low} and {high} layers predict (tolerance "
                               f"{MEMORY_TOLERANCE:.0%}): the layers' memory is not alike, so the peak cannot be "
                               "extrapolated")
-        peak = round(peaks[low] + (layers - low) * slope)
+        along = (layers - low) / (high - low)
+        weights = {(low, m): 1.0 - along, (high, m): along}
         how = (f"peak memory affine in the depth at {m} microbatches (fitted at {low} and {high} layers, held to "
                f"the {PEAK_CHECK_DEPTH}-layer trace within {MEMORY_TOLERANCE:.0%})")
         if microbatches <= 3:
-            return peak, how
-        growth = [peaks[n] - traced((n, 2)).memory.peak for n in PEAK_FIT_DEPTHS]
-        per_microbatch = round(growth[0] + (layers - low) * (growth[1] - growth[0]) / (high - low))
+            return weights, how
+        growth = {(low, 3): 1.0 - along, (low, 2): along - 1.0, (high, 3): along, (high, 2): -along}
+    peak = sum(w * peak_of(p) for p, w in weights.items())
+    per_microbatch = sum(w * peak_of(p) for p, w in growth.items())
     if per_microbatch <= MEMORY_TOLERANCE * peak:
-        return peak, how + "; it no longer grows from 2 to 3 microbatches"
-    return (peak + (microbatches - 3) * per_microbatch,
-            how + f"; it still grew by {per_microbatch / 2**30:.2f} GiB from 2 to 3 microbatches, added for each further "
-                  "microbatch (an upper bound)")
+        return weights, how + "; it no longer grows from 2 to 3 microbatches"
+    for point, weight in growth.items():
+        weights[point] = weights.get(point, 0.0) + (microbatches - 3) * weight
+    return weights, how + (f"; it still grew by {per_microbatch / 2**30:.2f} GiB from 2 to 3 microbatches, added for "
+                           "each further microbatch (an upper bound)")
+
+
+def _extrapolated_memory(traced, layers: int, microbatches: int, inputs: int) -> tuple[MemoryReport, str]:
+    """The step's peak memory (``_peak_weights``) and its terms, each the same weighted sum of the
+    traces' terms (the working set takes the rounding, so that they add up to the peak)."""
+    weights, how = _peak_weights(traced, layers, microbatches)
+    peak = round(sum(w * traced(p).memory.peak for p, w in weights.items()))
+    base = traced(CHECK_POINT).memory
+    terms = {name: 0.0 for name, _ in base.terms}
+    for point, weight in weights.items():
+        for name, size in traced(point).memory.terms:
+            terms[name] = terms.get(name, 0.0) + weight * size
+    split = [(name, inputs if name == STATE_TERM else round(size)) for name, size in terms.items() if name != WORKING_TERM]
+    split.append((WORKING_TERM, peak - sum(size for _, size in split)))
+    return MemoryReport(peak, inputs, f"{base.at_node} of the 3-layer, 3-microbatch trace", base.largest, tuple(split)), how

@@ -12,6 +12,8 @@ dims, count, bytes sent), its FLOPs and its peak memory.
 - Memory: the inputs (parameters, optimizer state, batch), live throughout, plus the peak of the
   buffers Inductor's scheduler allocates, in its order, after fusion (``capture.ScheduledMemory``,
   Inductor's own estimate, ``torch._inductor.memory``): a fused kernel's temporaries never exist.
+  The buffers at the peak are split into gradients, kept activations and working set by the values
+  they hold (``lmfunc.dryrun.buffer_terms``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import fx
 
 from lmfunc.dryrun.capture import CapturedStep, estimated
-from lmfunc.plan.memory import BUFFERS_TERM, STATE_TERM
+from lmfunc.plan.memory import STATE_TERM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,19 +257,13 @@ class MemoryReport:
     up to ``peak``."""
 
 
-def one_graph_terms(peak: int, inputs: int) -> tuple[tuple[str, int], ...]:
-    """A one-graph step's peak split: its inputs and the buffers its schedule holds there (kept
-    activations, gradients and working set, which one graph's buffers do not tell apart)."""
-    return (STATE_TERM, inputs), (BUFFERS_TERM, peak - inputs)
-
-
 def memory(step: CapturedStep) -> MemoryReport:
     """Peak bytes of the compiled step (module docstring)."""
     inputs = sum(_tensor_bytes(value) or 0 for value in step.inputs)
     scheduled = step.scheduled
     peak = inputs + scheduled.peak
     return MemoryReport(peak, inputs, f"scheduled node {scheduled.at_step} of {scheduled.steps}", scheduled.largest,
-                        one_graph_terms(peak, inputs))
+                        ((STATE_TERM, inputs), *scheduled.terms))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,8 @@ from typing import Optional
 from lmfunc.config.model import ConfigError
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts
 from lmfunc.metrics import table_peak_flops
-from lmfunc.plan.memory import MemoryPlan
+from lmfunc.plan.memory import (GRADIENTS_TERM, KEPT_TERM, RECEIVE_TERM, STATE_TERM, WORKING_TERM,
+                                 MemoryPlan)
 
 GiB = 2**30
 DATA_PARALLEL = {"dp_replicate", "dp_shard", "dp_replicate+dp_shard"}
@@ -140,20 +141,29 @@ def role_report(role: str, facts: StepFacts, hw: Hardware, plan: Optional[Memory
                       compute * bubble_fraction, plan.terms() if plan else ())
 
 
+TERM_MEANINGS = {
+    STATE_TERM: "the parameters, optimizer state and batch (the step's inputs)",
+    GRADIENTS_TERM: "the gradients (in buckets, summed over microbatches)",
+    KEPT_TERM: "the activations kept for the backward",
+    RECEIVE_TERM: "the pipeline stages' receive buffers",
+    WORKING_TERM: "the working set (activation gradients, gathered and cast parameters, logits, temporaries)",
+}
+"""What each term of a peak (``MemoryReport.terms``) holds, as an out-of-memory refusal names it."""
+
+
 def check_fits(report: RoleReport, hw: Hardware) -> None:
     """A ``ConfigError`` when the role's peak exceeds the GPU's memory, naming the role and its
     largest term."""
     mem = report.memory
     if mem.peak <= hw.memory_bytes:
         return
-    buffers = "the step's buffers live at its peak (kept activations, gradients, working set)"
-    if mem.largest:
-        buffers += f", the largest {mem.largest[0][0]} of {mem.largest[0][1] / GiB:.1f} GiB"
-    terms = [("the parameters, optimizer state and batch (the step's inputs)", mem.inputs), (buffers, mem.peak - mem.inputs)]
-    name, size = max(terms, key=lambda t: t[1])
+    name, size = max(mem.terms, key=lambda t: t[1])
+    largest = TERM_MEANINGS.get(name, name)
+    if name != STATE_TERM and mem.largest:
+        largest += f"; the largest of what is live there: {mem.largest[0][0]} of {mem.largest[0][1] / GiB:.1f} GiB"
     raise ConfigError(
         f"out of memory on rank role '{report.role}' (rank {report.rank}): the step's peak is {mem.peak / GiB:.1f} GiB, "
-        f"the {hw.name} has {hw.memory_bytes / GiB:.1f} GiB; the largest term is {size / GiB:.1f} GiB: {name}. "
+        f"the {hw.name} has {hw.memory_bytes / GiB:.1f} GiB; the largest term is {size / GiB:.1f} GiB: {largest}. "
         "Shard more (parallel.dp_shard, tp, pp, ep), recompute (model.recompute_granularity) or use a smaller "
         "micro batch")
 

@@ -158,7 +158,6 @@ GRADIENTS_TERM = "gradients"
 KEPT_TERM = "kept activations"
 RECEIVE_TERM = "receive buffers"
 WORKING_TERM = "working set"
-BUFFERS_TERM = "kept activations, gradients and working set"
 """The names of a peak's terms, shared by the plan (``MemoryPlan.terms``) and the dry run
 (``lmfunc.dryrun``'s ``MemoryReport.terms``), which prints them side by side."""
 
@@ -190,17 +189,23 @@ class MemoryPlan:
     chunks_in_flight: Optional[int] = None
     """Pipeline ranks: the stage-microbatches whose activations are held at once (``activations``
     counts them all, with their stage's output hidden states); None without a pipeline."""
+    peak_phase: tuple[int, int, int] = (0, 0, 0)
+    """One graph: the (gradients, kept activations, working set) of the phase at the peak, beside the
+    state, the compute copies and the workspace (``predict_memory``)."""
     receive_buffers: int = 0
     """Pipeline ranks: the buffers torch's stages receive activations and gradients into, one per
     microbatch of each of the rank's stages, allocated at the first step and kept (0 without a
     pipeline)."""
 
     def terms(self) -> tuple[tuple[str, int], ...]:
-        """The peak split as the dry run splits its own: for a pipeline rank its state, gradients,
-        activations in flight, receive buffers and working set (compute copies, output layer); for
-        one graph its state and the rest (the phases' largest is not a sum of terms)."""
+        """The peak split as the dry run splits its own: the state, the gradients, the kept
+        activations (for a pipeline rank those of its microbatches in flight, and its receive
+        buffers) and the working set (compute copies, the output layer; for one graph what the phase
+        at the peak computes)."""
         if self.chunks_in_flight is None:
-            return (STATE_TERM, self.state), (BUFFERS_TERM, self.peak - self.state)
+            gradients, kept, working = self.peak_phase
+            return ((STATE_TERM, self.state), (GRADIENTS_TERM, gradients), (KEPT_TERM, kept),
+                    (WORKING_TERM, self.compute_copies + working + self.workspace))
         return ((STATE_TERM, self.state), (GRADIENTS_TERM, self.grads), (KEPT_TERM, self.activations),
                 (RECEIVE_TERM, self.receive_buffers), (WORKING_TERM, self.compute_copies + self.head + self.workspace))
 
@@ -368,16 +373,18 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
     # from the second microbatch on, the gradients accumulated over the earlier ones are held too
     dp = data_parallel_size(sizes)
     accumulating = bool(cfg.run.global_batch_size) and cfg.run.global_batch_size > cfg.run.micro_batch_size * dp
-    phases = [activations + scan_gradients + head + (grads if accumulating else 0), grads]
+    # each phase's (gradients, kept activations, working set) beside the state and the compute copies
+    phases = [(scan_gradients + (grads if accumulating else 0), activations, head), (grads, 0, 0)]
     attention_backward = attention_backward_bytes(cfg, tp, cp)
     if cp > 1:
-        phases.append(activations + grads + attention_backward)
+        phases.append((grads, activations, attention_backward))
     if m.recompute_granularity == "full" and not scanned:
         layer_grads = 4 * local_params(m, sizes, prefix="layers.0.")
         recomputed_mlp = tokens * compute_bytes * (3 if m.activation == "swiglu" else 2) * m.ffn_size / tp
-        phases.append(int(activations + recomputed_mlp + RECOMPUTED_LAYERS_GRADS * layer_grads))
+        phases.append((RECOMPUTED_LAYERS_GRADS * layer_grads, activations, int(recomputed_mlp)))
+    largest_phase = max(phases, key=sum)
     workspace, workspace_note = cublas_workspace_bytes(cfg.run.device)
-    peak = state + compute_copies + max(phases) + workspace
+    peak = state + compute_copies + sum(largest_phase) + workspace
     notes = (workspace_note,) if workspace_note else ()
     if sizes.get("ep", 1) > 1 and m.num_experts is not None and m.moe_expert_capacity_factor is None:
         notes += (EXPERT_PARALLEL_NOTE,)
@@ -387,4 +394,5 @@ def predict_memory(cfg: TrainConfig, sizes: dict[str, int]) -> MemoryPlan:
                  "keeps; unrolled layers (--model.no-scan-layers) recompute",)
     return MemoryPlan(sizes=dict(sizes), params=params, state=state, grads=grads, compute_copies=compute_copies,
                       activations=activations, scan_gradients=scan_gradients, head=head, peak=peak,
-                      attention_backward=attention_backward, workspace=workspace, notes=notes)
+                      attention_backward=attention_backward, workspace=workspace, notes=notes,
+                      peak_phase=largest_phase)
