@@ -31,6 +31,7 @@ from lmfunc.data.batch import lm_batch
 from lmfunc.grad import value_and_grad
 from lmfunc.loss import lm_loss
 from lmfunc.optim import adamw
+from lmfunc.parallel.mesh import use_compile_cache_for
 from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor, shard_params
 from lmfunc.train import TrainState, make_train_step
 from lmfunc.tree import flatten_with_paths
@@ -103,6 +104,7 @@ def run_case(argv: list[str]) -> str:
     ep = next((int(a.split("=")[1]) for a in flags if a.startswith("--ep=")), 1)
     sizes = {name: size for name, size in (("dp_shard", dp // ep), ("ep", ep), ("cp", cp), ("tp", tp)) if size > 1}
     mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    use_compile_cache_for(mesh)  # each rank of a 2-D mesh its own compiled graphs
     dp_rank = ((mesh.get_local_rank("dp_shard") if dp > ep else 0) * ep
                + (mesh.get_local_rank("ep") if ep > 1 else 0))
     cfg = dataclasses.replace(model_preset("tiny", num_layers=2), mtp_num_layers=mtp, sequence_parallel=bool(sp),

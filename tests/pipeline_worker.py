@@ -35,6 +35,7 @@ from lmfunc import model
 from lmfunc.config import model_preset
 from lmfunc.config.pipeline import check_microbatches, pipeline_split
 from lmfunc.optim import adamw
+from lmfunc.parallel.mesh import use_compile_cache_for
 from lmfunc.parallel.sharding import full_tensors, local_batch_to_dtensor, shard_params
 from lmfunc.precision import LossScaleConfig
 from lmfunc.train import TrainState, make_eval_step, make_train_step
@@ -109,6 +110,8 @@ def run_case(args: list[str]) -> str:
     sizes = {name: size for name, size in (("pp", pp), ("dp_shard", dp // ep), ("ep", ep), ("cp", cp), ("tp", tp))
              if size > 1 or name == "pp"}
     mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes)) if dp * cp * tp > 1 else None
+    if mesh is not None:
+        use_compile_cache_for(mesh)  # each rank of a 2-D mesh its own compiled graphs
     data_mesh = mesh[tuple(sizes)[1:]] if mesh is not None else None
     rank = mesh.get_local_rank("pp") if mesh is not None else dist.get_rank()
     dp_rank = ((mesh.get_local_rank("dp_shard") if dp > ep else 0) * ep

@@ -66,6 +66,28 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_role_and_its_largest_t
     assert "the largest term is" in message and "the working set" in message  # not the state
 
 
+def test_a_refusal_names_the_largest_live_buffer_only_where_it_can_be_part_of_the_largest_term():
+    from lmfunc.dryrun.graph_report import MemoryReport
+    from lmfunc.dryrun.report import Hardware, RoleReport, check_fits
+
+    gib = 2**30
+    gpu = Hardware("test GPU", 1e15, 10 * gib, 1e11, 1e10)
+
+    def refusal(largest: list[tuple[str, int]]) -> str:
+        terms = (("state and batch", 1 * gib), ("kept activations", 8 * gib), ("working set", 3 * gib))
+        memory = MemoryReport(12 * gib, 1 * gib, "node 7", largest, terms)
+        with pytest.raises(ConfigError) as refused:
+            check_fits(RoleReport("first pipeline rank", 0, 0.0, "traced", memory, [], 0, 0, 0.0, 0.0, None, 0.0), gpu)
+        return str(refused.value)
+
+    one_graph = refusal([("buf9 (aten.mm.default)", 2 * gib)])
+    assert ("the step's peak is 12.0 GiB, the test GPU has 10.0 GiB; the largest term is 8.0 GiB: the activations "
+            "kept for the backward; the largest of what is live there: buf9 (aten.mm.default) of 2.0 GiB.") in one_graph
+    # a pipeline role's largest entry is the sum of what its graphs keep between them, more than the term
+    pipeline = refusal([("kept between the graphs (state, saved activations, gradients)", 9 * gib)])
+    assert "the largest term is 8.0 GiB: the activations kept for the backward. Shard more" in pipeline
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--parallel.pp", "3", "--world-size", "3"], r"model.num_layers \(2\) is not divisible by the pipeline's stages"),
     (["--parallel.pp", "2", "--world-size", "2", "--run.global-batch-size", "2"],

@@ -153,13 +153,14 @@ TERM_MEANINGS = {
 
 def check_fits(report: RoleReport, hw: Hardware) -> None:
     """A ``ConfigError`` when the role's peak exceeds the GPU's memory, naming the role and its
-    largest term."""
+    largest term, and the largest buffer live at the peak where it can be part of that term (a
+    pipeline role's largest entry is the whole of what its graphs keep between them: not named)."""
     mem = report.memory
     if mem.peak <= hw.memory_bytes:
         return
     name, size = max(mem.terms, key=lambda t: t[1])
     largest = TERM_MEANINGS.get(name, name)
-    if name != STATE_TERM and mem.largest:
+    if name != STATE_TERM and mem.largest and mem.largest[0][1] <= size:
         largest += f"; the largest of what is live there: {mem.largest[0][0]} of {mem.largest[0][1] / GiB:.1f} GiB"
     raise ConfigError(
         f"out of memory on rank role '{report.role}' (rank {report.rank}): the step's peak is {mem.peak / GiB:.1f} GiB, "

@@ -22,7 +22,7 @@ from lmfunc.config.parallel import MESH_DIMS, check_divisibility, data_parallel_
 from lmfunc.parallel.placement import DATA_PARALLEL_DIMS
 
 __all__ = [
-    "MESH_DIMS", "Layout", "build_mesh", "named_mesh", "check_divisibility", "data_parallel_rank", "launched_world_size", "resolve_sizes",
+    "MESH_DIMS", "Layout", "build_mesh", "named_mesh", "use_compile_cache_for", "check_divisibility", "data_parallel_rank", "launched_world_size", "resolve_sizes",
 ]
 
 
@@ -92,7 +92,7 @@ def build_mesh(sizes: dict[str, int], device: str | torch.device = "cpu") -> Lay
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device))
     mesh = named_mesh(resolved, device.type)
-    _compile_cache_for_mesh(mesh)
+    use_compile_cache_for(mesh)
     return Layout(resolved, mesh, device)
 
 
@@ -105,20 +105,22 @@ def named_mesh(resolved: dict[str, int], device_type: str = "cpu") -> Optional[D
     return init_device_mesh(device_type, tuple(size for _, size in used), mesh_dim_names=tuple(name for name, _ in used))
 
 
-def _compile_cache_for_mesh(mesh: DeviceMesh) -> None:
+def use_compile_cache_for(mesh: DeviceMesh) -> None:
     """Keep one Inductor cache directory for every rank of a 1-D mesh, and give each rank of a
-    mesh with more dims its own.
+    mesh with more dims its own. Whoever builds a mesh with ``init_device_mesh`` and compiles on it
+    calls this after it (``build_mesh`` does).
 
     Compiled graphs embed the names of the process groups their collectives use, and those names
-    differ between ranks of a 2-D mesh; torch 2.13's cache key leaves them out, so with one shared
-    cache rank 2 can load rank 0's graph and fail with "Could not resolve the process group
-    registered under the name ...". On a 1-D mesh every rank's group is the world's, with the same
+    differ between ranks of a 2-D mesh; torch 2.13's cache key leaves them out (it hashes the mesh's
+    ranks and dims, not its groups), so with one shared cache rank 2 can load rank 0's graph and
+    fail with "Could not resolve the process group registered under the name ...". On a 1-D mesh every rank's group is the world's, with the same
     name, so the ranks share the directory a single process uses (its precompiled header and CPU
     checks included), and the ranks of one CPU host compile one after another
     (``lmfunc.compiler.compiling.host_compile_turn``), unless the dim is a pipeline's: a graph every
     rank traces alike is compiled once and loaded from the cache by the others. A rank of a larger
-    mesh keeps ``rank<r>/``, shared with the same rank of other jobs, which its groups' names
-    (hashes of their ranks) keep apart."""
+    mesh keeps ``rank<r>/``, shared with the same rank of other jobs: on gloo a group's name is the
+    count of groups made before it, the same for the same rank of the same mesh, and a mesh of
+    other sizes or dims hashes to other keys."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     base = cache_dir()
@@ -137,7 +139,7 @@ that is not a pipeline's, whose stages' graphs differ), or None."""
 
 def ranks_compile_in_turn() -> bool:
     """Whether this process's ranks trace alike and share the current Inductor cache directory, so
-    that compiling in turn lets all but one load each graph (``_compile_cache_for_mesh``)."""
+    that compiling in turn lets all but one load each graph (``use_compile_cache_for``)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return _COMPILING_IN_TURN[0] is not None and _COMPILING_IN_TURN[0] == cache_dir()
