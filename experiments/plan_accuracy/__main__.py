@@ -50,11 +50,9 @@ full cases' 120-700 MiB make +5 to +6%."""
 MiB = 2**20
 MEASURED_STEPS = 5
 """Steps whose peaks are measured; the lowest is the step's. On a gloo group the same rank's peak
-varies from step to step, the more the busier the machine: on tp 2 + SP (``quick_tp2_sp``) a rank
-read 6.0 to 7.2 MiB over nine steps of one run beside two busy processes, 6.0 in every run, and one
-measured step read 1.2 MiB above the plan's tolerance in a CI run. The profiler counts the
-allocations of every thread of the process, gloo's included, so the peak depends on when its
-threads run against the step's. One process's steps read the same peak every time."""
+varies from step to step, the more the busier the machine (README: Method): the profiler counts
+the allocations of every thread of the process, gloo's included, so the peak depends on when its
+threads run against the step's."""
 
 
 def world_size(spec: dict) -> int:
@@ -75,10 +73,10 @@ def case_configs(config: Path) -> dict:
 
 
 def measure(cfg, world: int) -> dict:
-    """Build and run ``cfg``'s compiled train step (three steps) in this process (one rank of
-    ``world`` under torchrun); the third step's memory on the most-loaded rank: the bytes held before
-    it (state and batch) and the allocator's peak above them, the lowest of ``MEASURED_STEPS``
-    steps (the highest beside it)."""
+    """Build and run ``cfg``'s compiled train step (two steps, then ``MEASURED_STEPS`` measured) in
+    this process (one rank of ``world`` under torchrun); the memory on the most-loaded rank: the
+    bytes held before a step (state and batch) and the allocator's peak above them, the lowest of
+    the measured steps (the highest beside it)."""
     import torch
     import torch.distributed as dist
 

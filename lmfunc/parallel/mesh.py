@@ -113,11 +113,12 @@ def use_compile_cache_for(mesh: DeviceMesh) -> None:
     Compiled graphs embed the names of the process groups their collectives use, and those names
     differ between ranks of a 2-D mesh; torch 2.13's cache key leaves them out (it hashes the mesh's
     ranks and dims, not its groups), so with one shared cache rank 2 can load rank 0's graph and
-    fail with "Could not resolve the process group registered under the name ...". On a 1-D mesh every rank's group is the world's, with the same
-    name, so the ranks share the directory a single process uses (its precompiled header and CPU
-    checks included), and the ranks of one CPU host compile one after another
-    (``lmfunc.compiler.compiling.host_compile_turn``), unless the dim is a pipeline's: a graph every
-    rank traces alike is compiled once and loaded from the cache by the others. A rank of a larger
+    fail with "Could not resolve the process group registered under the name ...". On a 1-D mesh
+    every rank's group is the world's, with the same name, so the ranks share the directory a single
+    process uses (its precompiled header and CPU checks included), and the ranks of one CPU host
+    compile one after another (``lmfunc.compiler.compiling.host_compile_turn``), unless the dim is
+    a pipeline's: a graph every rank traces alike is compiled once and loaded from the cache by the
+    others. A rank of a larger
     mesh keeps ``rank<r>/``, shared with the same rank of other jobs: on gloo a group's name is the
     count of groups made before it, the same for the same rank of the same mesh, and a mesh of
     other sizes or dims hashes to other keys."""
