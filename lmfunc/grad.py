@@ -5,9 +5,10 @@ on fresh leaves made with ``detach().requires_grad_(True)``. ``torch.func.grad_a
 would be the obvious choice, but it wraps its inputs and hides the DTensor API
 (``.placements``, ``.redistribute``; pytorch#134462), which lmfunc's parallelism needs.
 ``torch.autograd.grad`` works for plain tensors and DTensors alike and traces inside
-``torch.compile(fullgraph=True)`` while ``torch._dynamo.config.trace_autograd_ops`` is on — a
+``torch.compile(fullgraph=True)`` while Dynamo's ``trace_autograd_ops`` is on (torch 2.13+) — a
 private flag that ``lmfunc.compiler.compile_step`` turns on while it traces (never globally).
-``tests/test_grad.py`` fails if that stops compiling.
+``tests/test_grad.py`` fails if that stops compiling. On older torch a compiled function
+differentiates with ``torch.func.grad_and_value`` instead (plain tensors only).
 
 ``attach_aux_loss`` adds an auxiliary loss to the gradient of a function that returns something else.
 """
@@ -19,11 +20,45 @@ from typing import Any, Callable, Union
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from lmfunc.compiler.torch_compat import TorchTooOld, too_old_message
+from lmfunc.compiler.torch_compat.tensors import pytree
+from lmfunc.compiler.torch_compat.tracing import TRACES_AUTOGRAD_GRAD
 from lmfunc.tree import PyTree, tree_leaves, tree_map, tree_unflatten_as
 
 
 def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _grad_by_torch_func(fn: Callable, args: tuple, kwargs: dict, argnum: int, has_aux: bool, leaves: list,
+                        differentiable: list[bool], check_scalar: Callable) -> tuple[Any, Any, list]:
+    """``(value, aux, grads of the differentiable leaves)`` by ``torch.func.grad_and_value``: how a
+    compiled step differentiates on torch older than 2.13, whose Dynamo cannot trace
+    ``torch.autograd.grad`` on fresh leaves. ``torch.func`` hides the DTensor API and custom ops'
+    autograd, so this serves plain tensors without custom ops (a compiled step on a mesh, or with
+    dropless MoE's grouped matmul, is refused on such torch before it is traced:
+    ``lmfunc.train.step``). ``torch.func`` takes only tensors as aux, so the aux's other leaves pass
+    around it."""
+    if any(isinstance(x, DTensor) for x in leaves):
+        raise TorchTooOld(too_old_message(2, 13, "a compiled step over DTensor parameters"))
+    aux_layout: dict[str, Any] = {}
+
+    def of_differentiable(wrt: list) -> tuple[torch.Tensor, list]:
+        it = iter(wrt)
+        new_args = list(args)
+        new_args[argnum] = tree_unflatten_as(args[argnum], [next(it) if diff else x for x, diff in zip(leaves, differentiable)])
+        out = fn(*new_args, **kwargs)
+        value, aux = out if has_aux else (out, None)
+        check_scalar(value)
+        aux_layout["leaves"], aux_layout["spec"] = pytree.tree_flatten(aux)
+        return value, [x for x in aux_layout["leaves"] if isinstance(x, torch.Tensor)]
+
+    wrt = [x for x, diff in zip(leaves, differentiable) if diff]
+    grads_wrt, (value, aux_tensors) = torch.func.grad_and_value(of_differentiable, has_aux=True)(wrt)
+    aux_iter = iter(aux_tensors)
+    aux = pytree.tree_unflatten([next(aux_iter) if isinstance(x, torch.Tensor) else x for x in aux_layout["leaves"]],
+                                aux_layout["spec"])
+    return value, aux, grads_wrt
 
 
 def value_and_grad(
@@ -37,26 +72,33 @@ def value_and_grad(
     aux are detached. Works eagerly and compiled (``lmfunc.compiler.compile_step``).
     """
 
+    def check_scalar(value: Any) -> None:
+        if not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise TypeError(
+                "value_and_grad: the function must return a scalar tensor"
+                + (" as the first element of (value, aux)" if has_aux else "")
+                + f", got {type(value).__name__}"
+                + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+            )
+
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
         leaves = tree_leaves(args[argnum])
         differentiable = [isinstance(x, torch.Tensor) and x.is_floating_point() for x in leaves]
-        inputs = [
-            x.detach().requires_grad_(True) if diff else x for x, diff in zip(leaves, differentiable)
-        ]
-        new_args = list(args)
-        new_args[argnum] = tree_unflatten_as(args[argnum], inputs)
-        with torch.enable_grad():
-            out = fn(*new_args, **kwargs)
-            value, aux = out if has_aux else (out, None)
-            if not (isinstance(value, torch.Tensor) and value.numel() == 1):
-                raise TypeError(
-                    "value_and_grad: the function must return a scalar tensor"
-                    + (" as the first element of (value, aux)" if has_aux else "")
-                    + f", got {type(value).__name__}"
-                    + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
-                )
-            wrt = [x for x, diff in zip(inputs, differentiable) if diff]
-            grads_wrt = torch.autograd.grad(value, wrt, allow_unused=True, materialize_grads=True)
+        if not TRACES_AUTOGRAD_GRAD and torch.compiler.is_compiling():
+            value, aux, grads_wrt = _grad_by_torch_func(fn, args, kwargs, argnum, has_aux, leaves, differentiable,
+                                                        check_scalar)
+        else:
+            inputs = [
+                x.detach().requires_grad_(True) if diff else x for x, diff in zip(leaves, differentiable)
+            ]
+            new_args = list(args)
+            new_args[argnum] = tree_unflatten_as(args[argnum], inputs)
+            with torch.enable_grad():
+                out = fn(*new_args, **kwargs)
+                value, aux = out if has_aux else (out, None)
+                check_scalar(value)
+                wrt = [x for x, diff in zip(inputs, differentiable) if diff]
+                grads_wrt = torch.autograd.grad(value, wrt, allow_unused=True, materialize_grads=True)
         grad_iter = iter(grads_wrt)
         grads = tree_unflatten_as(args[argnum], [next(grad_iter) if diff else None for diff in differentiable])
         value = value.detach()

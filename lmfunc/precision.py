@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
-from torch.utils._pytree import register_dataclass
 
+from lmfunc.compiler.torch_compat.tensors import register_dataclass
 from lmfunc.tree import PyTree, tree_leaves, tree_map
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,4 +1,4 @@
-"""Pytree helpers over ``torch.utils._pytree``.
+"""Pytree helpers over torch's pytrees (``torch_compat.tensors.pytree``).
 
 Parameters, optimizer state and train state are pytrees: nested ``dict``/``list``/``tuple``/
 ``NamedTuple`` containers (and registered dataclasses) whose leaves are tensors. Dict keys are
@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
+
+from lmfunc.compiler.torch_compat.tensors import pytree
 
 PyTree = Any
 

@@ -55,11 +55,16 @@ def _multirank_slot(request):
 
 
 def pytest_itemcollected(item):
-    """Tests that use the ``torchrun`` fixture are ``multirank``. Under pytest-xdist's ``--dist
+    """Tests that use the ``torchrun`` fixture are ``multirank``; those ``tests/compat_tier.py`` lists
+    are ``compat``. Under pytest-xdist's ``--dist
     loadgroup`` every multi-rank test is in one group, so one worker runs them one after another,
     and every other test is grouped with its file, so a file's module-scoped fixtures are built once."""
     if "torchrun" in getattr(item, "fixturenames", ()) and item.get_closest_marker("multirank") is None:
         item.add_marker(pytest.mark.multirank)
+    from tests.compat_tier import in_compat_tier
+
+    if in_compat_tier(item.nodeid):
+        item.add_marker(pytest.mark.compat)
     multirank = item.get_closest_marker("multirank") is not None
     item.add_marker(pytest.mark.xdist_group("multirank" if multirank else item.nodeid.split("::")[0]))
 

@@ -80,3 +80,35 @@ def test_the_files_with_the_slowest_tests_start_first_and_a_file_stays_together(
     order = [i.nodeid.split("::")[1] for i in longest_first(items, seconds)]
     assert order == ["test_new@tests/test_c.py", "test_short@multirank", "test_long[1 2 1]@multirank",
                      "test_b2@multirank", "test_b0@tests/test_b.py", "test_b1@tests/test_b.py"]
+
+
+def test_every_compat_tier_entry_names_a_test_and_ci_runs_the_tier_on_the_oldest_and_newest_torch():
+    """``tests/compat_tier.py``: each entry is a test file (and test function) that exists, so a
+    renamed test cannot silently leave the tier; ``.ci/run`` runs the tier on the supported range's
+    two ends and leaves the tier's slow tests out of the 2.13 slow tier."""
+    import ast
+
+    from lmfunc.compiler.torch_compat import SUPPORTED_TORCH
+    from tests.compat_tier import COMPAT_TESTS
+
+    for entry in COMPAT_TESTS:
+        path, _, test = entry.partition("::")
+        with open(os.path.join(ROOT, path)) as f:
+            functions = {node.name for node in ast.walk(ast.parse(f.read())) if isinstance(node, ast.FunctionDef)}
+        name = test.split("[", 1)[0]
+        assert not name or name in functions, f"tests/compat_tier.py: {entry} names no test"
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    for major, minor in SUPPORTED_TORCH:
+        assert f'compat_tier {major}.{minor}.0 "compat' in ci
+    assert '-m "slow and not compat"' in ci
+
+
+def test_compat_losses_names_the_step_and_the_run_that_differ():
+    from tests.compat_losses import compare
+
+    same = {1: 5.0, 2: 4.0}
+    worst, problems = compare({"a": same, "b": {1: 5.0, 2: 4.0 * (1 + 5e-6)}}, steps=2, rtol=1e-5)
+    assert problems == [] and 4e-6 < worst < 6e-6
+    _, problems = compare({"a": same, "b": {1: 5.0, 2: 4.01}, "c": {1: 5.0}}, steps=2, rtol=1e-5)
+    assert len(problems) == 2 and problems[0].startswith("step 2: b 4.01 against a 4.0") and problems[1] == "c has no loss at step 2"

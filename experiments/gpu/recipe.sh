@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU recipe of docs/performance.md ("On a GPU") on one lent GPU whose image holds torch 2.11:
-# the code runs from a patched scratch copy (experiments/gpu/torch211.py), and the pure-Python
+# the code runs from the checkout itself (lmfunc supports torch 2.11 to 2.15), and the pure-Python
 # packages the image lacks (tyro, typeguard, docstring-parser) come as wheels in .whl/ when present.
 #   bash experiments/gpu/recipe.sh            # from the repository root; logs go to $OUT (default ./gpu-out)
 #   BUNDLE_LOGS=1 bash experiments/gpu/recipe.sh   # the same, the logs then packed into $OUT/logs.tar.gz
@@ -9,8 +9,8 @@
 # Phases 2 and 3 run the train-step benchmark alone: the default workload, then GPT-2 small.
 # Phase 4 is the mixture-of-experts part: the deepseek-v3-tiny and moe-small presets train on cuda
 # (bf16, eager; the device tests beside them), then experiments.probes.moe_vs_dense times MoE
-# against dense, dropless against capacity, eager, and compiled without dropless (the 2.11 copy
-# cannot compile the grouped matmul's custom op: torch211.py), at a GPU-sized shape.
+# against dense, dropless against capacity, eager, and compiled (on torch 2.11 without dropless, which
+# lmfunc refuses to compile there: README, "Which torch"), at a GPU-sized shape.
 # Phase 0 records the host CPU (lscpu) and, where it has AVX-512 BF16/FP16 or AMX, runs the oneDNN
 # NaN probe (experiments.probes.onednn_nan) on it. Phase 5 is the bf16 MFU of a ~1.2B model (16 layers,
 # width 2048, seq 2048, vocab 50304, batch 8), func-compiled against module-compiled (autocast).
@@ -27,9 +27,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site
 fi
-python3 -m experiments.gpu.torch211 /tmp/lmfunc211 || exit 1
-cd /tmp/lmfunc211 || exit 1
-export PYTHONPATH=/tmp/lmfunc211:${PYTHONPATH:-}
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
 python3 -c "import lmfunc.train, lmfunc.plan, experiments.bench, experiments.probes.moe_vs_dense" || exit 1
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv

@@ -29,10 +29,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+from lmfunc.compiler.torch_compat.inductor import CustomGraphPass, get_hash_for_files
+from lmfunc.compiler.torch_compat.inductor import preserve_node_ordering
 from torch.fx.traceback import annotate
-from torch.utils._ordered_set import OrderedSet
+from lmfunc.compiler.torch_compat.inductor import OrderedSet
 
 ACCUMULATION_KEY = "lmfunc_gradient_sum"
 MICROBATCH_KEY = "lmfunc_microbatch"

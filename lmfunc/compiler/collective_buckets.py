@@ -47,8 +47,11 @@ from typing import Any, Optional
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.fx_passes.bucketing import (
+
+from lmfunc.compiler.torch_compat.inductor import (
+    CustomGraphPass,
+    OrderedSet,
+    get_hash_for_files,
     is_all_gather_into_tensor,
     is_all_reduce_tensor,
     is_reduce_scatter_tensor,
@@ -56,10 +59,10 @@ from torch._inductor.fx_passes.bucketing import (
     merge_all_gather_bucket,
     merge_all_reduce_bucket,
     merge_reduce_scatter_bucket,
+    preserve_node_ordering,
+    stable_topological_sort,
 )
-from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
-from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.utils._ordered_set import OrderedSet
+from lmfunc.compiler.torch_compat.tensors import c10d_functional
 
 from lmfunc.compiler import accumulation_order, gloo_reduce_scatter
 from lmfunc.compiler.accumulation_order import microbatch_starts, reachable
@@ -200,10 +203,10 @@ def _reduce_shard_before_replicas(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
         graph.erase_node(all_reduce)
         scattered = wait_of(reduce_scatter)
         with graph.inserting_after(scattered):
-            shard_reduce = graph.call_function(torch.ops._c10d_functional.all_reduce.default,
+            shard_reduce = graph.call_function(c10d_functional.all_reduce.default,
                                                (scattered, *replica_args))
         with graph.inserting_after(shard_reduce):
-            reduced = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (shard_reduce,))
+            reduced = graph.call_function(c10d_functional.wait_tensor.default, (shard_reduce,))
         for node in (shard_reduce, reduced):
             node.meta["val"] = scattered.meta["val"]
         scattered.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not shard_reduce)

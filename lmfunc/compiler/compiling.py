@@ -22,9 +22,12 @@ import types
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
-import torch._inductor
 
 from lmfunc.compiler import inplace_reuse
+from lmfunc.compiler.torch_compat.inductor import (cache_dir, inductor, inductor_config, no_line_tables,
+                                                   post_grad_pre_passes)
+from lmfunc.compiler.torch_compat.tracing import (TRACES_AUTOGRAD_GRAD, FakeTensorMode, TracingContext, Unsupported,
+                                                  dynamo_config, functorch_config, tracing)
 from lmfunc.compiler.cpp_flags import gcc_flags_for_correct_kernels
 from lmfunc.compiler.accumulation_order import AccumulationOrderPass
 from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB, CollectiveBucketsPass
@@ -91,7 +94,6 @@ def host_compile_turn(args: tuple) -> Iterator[None]:
     import os
 
     import torch.distributed as dist
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     from lmfunc.parallel.mesh import ranks_compile_in_turn
 
@@ -131,8 +133,6 @@ def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, 
     (empty) shape environment. Inductor's FX graph cache keys its entries on that environment's
     guards and bypasses the cache without one; with it, a restarted job loads the compiled step
     from the cache instead of generating its code again."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     options = options_for_graph(graph, options)
@@ -141,7 +141,7 @@ def _compile_static(graph: torch.fx.GraphModule, args: list, options: dict[str, 
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with tracing(TracingContext(fake_mode)):
         fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-        return torch._inductor.compile(graph, fakes, options)
+        return inductor.compile(graph, fakes, options)
 
 
 _CACHEABLE_OPERATORS = {"torch.ops.higher_order.scan": torch.__version__}
@@ -172,11 +172,10 @@ def compile_settings():
     ``DeviceMesh`` gets the same cache key in every process (``lmfunc.compiler.mesh_cache_keys``),
     and a recomputed random op's saved RNG state is placed before the saved ``DeviceMesh``
     (``lmfunc.compiler.saved_rng_states``)."""
-    with torch._functorch.config.patch(
+    with functorch_config.patch(
         remat_using_tags_for_fwd_loss_bwd_graph=False, autograd_cache_allow_custom_autograd_functions=True
     ):
-        with torch._inductor.config.patch({"unsafe_marked_cacheable_functions": _CACHEABLE_OPERATORS,
-                                           "aot_inductor.enable_line_tables": False}):
+        with inductor_config.patch({"unsafe_marked_cacheable_functions": _CACHEABLE_OPERATORS, **no_line_tables()}):
             with inplace_reuse.inplace_reuse_despite_input_writes(), gcc_flags_for_correct_kernels(), \
                     batched_cpu_kernels(), stable_mesh_cache_keys(), saved_rng_states_before_opaque_objects():
                 yield
@@ -200,7 +199,7 @@ def retained_backward_settings():
     backward reads: silently wrong gradients (``tests/test_compiling.py`` reproduces it)."""
     tag = torch.compiler.config.cache_key_tag
     tag = tag if RETAINED_BACKWARD_CACHE_TAG in tag else f"{tag}+{RETAINED_BACKWARD_CACHE_TAG}".lstrip("+")
-    with torch._functorch.config.patch(donated_buffer=False), torch.compiler.config.patch(cache_key_tag=tag):
+    with functorch_config.patch(donated_buffer=False), torch.compiler.config.patch(cache_key_tag=tag):
         yield
 
 
@@ -212,7 +211,9 @@ def tracing_settings() -> contextlib.AbstractContextManager:
     exchanged counts, ``lmfunc.parallel.expert_parallel``) become unbacked sizes inside the one
     graph instead of a graph break. lmfunc never sets them globally: importing lmfunc changes no
     torch setting (``tests/test_compiling.py``)."""
-    return torch._dynamo.config.patch(trace_autograd_ops=True, capture_scalar_outputs=True)
+    if not TRACES_AUTOGRAD_GRAD:  # older torch differentiates a compiled step with torch.func (lmfunc.grad)
+        return dynamo_config.patch(capture_scalar_outputs=True)
+    return dynamo_config.patch(trace_autograd_ops=True, capture_scalar_outputs=True)
 
 
 def with_own_code(fn: Callable) -> Callable:
@@ -238,8 +239,8 @@ def inductor_options(choose_saved: bool, bucket_size_mb: Optional[float] = DEFAU
     next microbatch (``accumulation_order``), then the
     bucketing and overlap of its collectives (``collective_buckets``; all-reduce buckets of at
     most ``bucket_size_mb`` MiB; None: no such pass)."""
-    options: dict[str, Any] = {"post_grad_custom_pre_pass": [RematPass(choose_saved), SliceCopyPass(), ReversedScanPass(),
-                                                              AccumulationOrderPass()]}
+    options: dict[str, Any] = {"post_grad_custom_pre_pass": post_grad_pre_passes(
+        [RematPass(choose_saved), SliceCopyPass(), ReversedScanPass(), AccumulationOrderPass()])}
     if bucket_size_mb is not None:
         options["post_grad_custom_post_pass"] = CollectiveBucketsPass(bucket_size_mb)
     return options
@@ -305,7 +306,7 @@ def call_compiled(compiled: Callable, probe_cpu_isa: bool = False) -> Callable:
         if traced:
             try:
                 return compiled(*args, **kwargs)
-            except torch._dynamo.exc.Unsupported:
+            except Unsupported:
                 pass
         if probe_cpu_isa and not traced:
             start_vec_isa_probe((args, kwargs))

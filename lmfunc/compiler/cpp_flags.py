@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from torch._inductor import cpp_builder
+from lmfunc.compiler.torch_compat.inductor import cpp_builder
 
 GCC_FLAGS = ("fno-ipa-cp-clone",)
 """Added to Inductor's optimisation flags when its C++ compiler is GCC (without the leading dash,

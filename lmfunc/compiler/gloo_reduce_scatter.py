@@ -19,12 +19,10 @@ from typing import Any, Iterator
 
 import torch
 from torch import fx
-from torch._inductor.fx_passes.bucketing import (
-    _resolve_group_name,
-    is_all_to_all_tensor,
-    is_wait_tensor,
-    process_collective_bucket,
-)
+
+from lmfunc.compiler.torch_compat.distributed import resolve_process_group
+from lmfunc.compiler.torch_compat.inductor import is_all_to_all_tensor, is_wait_tensor, process_collective_bucket, resolve_group_name
+from lmfunc.compiler.torch_compat.tensors import c10d_functional
 
 
 def wait_of(collective: fx.Node) -> fx.Node:
@@ -49,12 +47,11 @@ def as_if_gloo() -> Iterator[None]:
 def on_gloo(collective: fx.Node) -> bool:
     """Whether the collective runs on a gloo process group (CPU tensors), or inside ``as_if_gloo``."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
 
     if _every_group_gloo:
         return True
     try:
-        group = _resolve_process_group(_resolve_group_name(collective.args[-1]))
+        group = resolve_process_group(resolve_group_name(collective.args[-1]))
         return dist.get_backend(group) == "gloo"
     except (RuntimeError, ValueError, KeyError):
         return False
@@ -66,7 +63,7 @@ def _reduce_scatter_by_all_to_all(inputs: list[torch.Tensor], group_name: Any, g
     the received ``[group_size, n, ...]`` copies of this rank's chunk: ``[n, ...]``."""
     x = inputs[0]
     chunk = x.shape[0] // group_size
-    received = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_to_all_single(
+    received = c10d_functional.wait_tensor(c10d_functional.all_to_all_single(
         x, [chunk] * group_size, [chunk] * group_size, group_name))
     total = received.view(group_size, chunk, *x.shape[1:]).sum(0)
     return [total / group_size if reduce_op == "avg" else total]

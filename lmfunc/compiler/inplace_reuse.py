@@ -22,8 +22,7 @@ import contextlib
 import functools
 from typing import Callable, Iterator
 
-from torch._inductor import scheduler
-from torch._inductor.dependencies import WeakDep
+from lmfunc.compiler.torch_compat.inductor import WeakDep, scheduler
 
 
 def _only_orders(user: "scheduler.NodeUser", name: str) -> bool:

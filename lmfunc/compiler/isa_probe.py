@@ -24,10 +24,13 @@ the CPU's model and flags as the kernel reports them, the C++ compiler's version
 the Python executable. A later process with the same key answers those checks True without
 building or loading anything; any other check runs as Inductor's. A failed check is never
 recorded (it may have been a timeout on a loaded machine), so it runs again in the next process.
+From torch 2.15 on, Inductor records each library that loaded itself (a ``.load_ok`` file beside
+it), so a later process loads nothing either way; there the probe keeps no record of its own
+(``torch_compat.inductor.INDUCTOR_RECORDS_ISA_CHECKS``) and only runs the checks beside the trace.
 
 Python's imports are not safe on two threads at once (one thread can see a module that the other
 is still initialising, and Dynamo's trace imports lazily), so every module the probe imports is
-imported before its thread starts, on the calling thread (``PROBE_MODULES``); the probe itself
+imported before its thread starts, on the calling thread (``torch_compat.inductor.ISA_PROBE_MODULES``); the probe itself
 then imports nothing.
 """
 
@@ -44,15 +47,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-
-PROBE_MODULES = (
-    "torch._inductor.cpu_vec_isa", "torch._inductor.codecache", "torch._inductor.cpp_builder",
-    "torch.utils._filelock", "torch.utils.cpp_extension", "torch._inductor.runtime.cache_dir_utils",
-)
-"""Every module Inductor's probe imports on its way (``torch.utils.cpp_extension`` pulls in
-setuptools, which patches distutils as it loads)."""
+from lmfunc.compiler.torch_compat.inductor import (INDUCTOR_RECORDS_ISA_CHECKS, ISA_PROBE_MODULES, cache_dir, cpp_builder,
+                                                   cpu_vec_isa)
+from lmfunc.compiler.torch_compat.tensors import pytree
 
 
 _start_lock = threading.Lock()
@@ -63,8 +61,6 @@ _started: Optional[threading.Thread] = None
 def _candidate_isas() -> list:
     """The vector ISAs Inductor will check on this CPU: on x86, those whose flags the CPU reports
     (Inductor's own filter); elsewhere none (Inductor checks at most one there)."""
-    from torch._inductor import cpu_vec_isa
-
     if platform.machine() not in ("x86_64", "AMD64") or not hasattr(cpu_vec_isa, "x86_isa_checker"):
         return []
     flags = cpu_vec_isa.x86_isa_checker()
@@ -85,10 +81,8 @@ def _cpu_description() -> str:
 def record_path(candidates: list) -> str:
     """Where the answer for ``candidates`` on this CPU, compiler, torch build and Python is recorded
     (in Inductor's cache directory)."""
-    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    facts = [_cpu_description(), get_compiler_version_info(get_cpp_compiler()), torch.__version__,
+    facts = [_cpu_description(), cpp_builder.get_compiler_version_info(cpp_builder.get_cpp_compiler()), torch.__version__,
              str(torch.version.git_version), sys.executable, *map(str, candidates)]
     key = hashlib.sha256("\0".join(facts).encode()).hexdigest()[:32]
     return os.path.join(cache_dir(), "lmfunc_vec_isa", f"{key}.json")
@@ -128,11 +122,9 @@ def _record_passes(path: str, passes: set[str]) -> None:
 
 
 def _probe() -> None:
-    from torch._inductor import cpu_vec_isa
-
     try:
         candidates = _candidate_isas()
-        path = record_path(candidates) if candidates else None
+        path = record_path(candidates) if candidates and not INDUCTOR_RECORDS_ISA_CHECKS else None
         recorded = _recorded_passes(path) if path is not None else set()
         passed: set[str] = set()
         for isa in candidates:
@@ -143,7 +135,7 @@ def _probe() -> None:
         finally:
             for isa in candidates:
                 del isa.check_build
-        if passed - recorded:
+        if path is not None and passed - recorded:
             _record_passes(path, recorded | passed)
         cpu_vec_isa.valid_vec_isa_list()
     except Exception:  # Inductor asks again itself, and reports its own failure there
@@ -153,7 +145,7 @@ def _probe() -> None:
 def compiles_cpu_code(args: Any) -> bool:
     """Whether a step called with ``args`` (any pytree) computes on the CPU: some tensor argument
     with more than one element lives there (0-dim counters may sit on the CPU beside CUDA data)."""
-    return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() > 1 for x in tree_leaves(args))
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() > 1 for x in pytree.tree_leaves(args))
 
 
 def start_vec_isa_probe(args: Any) -> Optional[threading.Thread]:
@@ -166,10 +158,8 @@ def start_cpu_vec_isa_probe() -> Optional[threading.Thread]:
     is probing) already; return the thread, or None when nothing was started. Callers that know
     early that a CPU compile is coming (the trainer, before it reads its data) start it then."""
     global _started
-    for name in PROBE_MODULES:
+    for name in ISA_PROBE_MODULES:
         importlib.import_module(name)
-    from torch._inductor import cpu_vec_isa
-
     with _start_lock:
         if _started is not None or cpu_vec_isa.valid_vec_isa_list.cache_info().currsize:
             return None

@@ -30,10 +30,9 @@ import warnings
 from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
-from torch._dynamo.utils import dynamo_timed
-from torch._inductor.async_compile import AsyncCompile, get_compile_threads, kernel_code_log
-from torch._inductor.codecache import CppPythonBindingsCodeCache
-from torch._inductor.utils import clear_on_fresh_cache
+from lmfunc.compiler.torch_compat.tracing import dynamo_timed
+from lmfunc.compiler.torch_compat.inductor import (AsyncCompile, CppPythonBindingsCodeCache, clear_on_fresh_cache, get_compile_threads,
+                                               kernel_code_log)
 
 MIN_KERNELS_PER_BATCH = 4
 """The fewest kernels a batch of its own is given. A second batch costs one more fixed cost (about

@@ -23,17 +23,17 @@ PROCESS_SPECIFIC = ("_hash", "_thread_id")
 
 def _reduce_mesh(mesh) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """A mesh as the cache key pickles it: its class and its state less ``PROCESS_SPECIFIC``."""
-    from torch._inductor.codecache import _ident
+    from lmfunc.compiler.torch_compat.inductor import codecache_ident
 
     state = {name: value for name, value in mesh.__getstate__().items() if name not in PROCESS_SPECIFIC}
-    return _ident, (type(mesh).__qualname__, state)
+    return codecache_ident, (type(mesh).__qualname__, state)
 
 
 @contextlib.contextmanager
 def stable_mesh_cache_keys() -> Iterator[None]:
     """While inside: the FX graph cache's pickler (and AOTAutograd's, its subclass) reduce every
     ``DeviceMesh`` with ``_reduce_mesh``."""
-    from torch._inductor.codecache import FxGraphCachePickler
+    from lmfunc.compiler.torch_compat.inductor import FxGraphCachePickler
     from torch.distributed.device_mesh import DeviceMesh
 
     original = FxGraphCachePickler.__init__

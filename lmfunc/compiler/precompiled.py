@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from torch._dynamo.aot_compile import AOTCompilePickler
-from torch.utils import _pytree as pytree
 
+from lmfunc.compiler.torch_compat.inductor import cache_dir, inductor_config
+from lmfunc.compiler.torch_compat.tensors import pytree
+from lmfunc.compiler.torch_compat.tracing import AOTCompilePickler, FakeTensorMode, TracingContext, functorch_config, tracing
 from lmfunc.compiler.compiling import (
     compile_settings, _older_objects_frozen, compile_step, inductor_options, release_compile_garbage,
     tracing_settings,
@@ -53,8 +54,6 @@ _LMFUNC_ROOT = Path(__file__).resolve().parents[1]
 
 def default_directory() -> Path:
     """``<Inductor's cache dir>/lmfunc_steps``: beside the caches whose entries a saved step uses."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     return Path(cache_dir()) / "lmfunc_steps"
 
 
@@ -104,8 +103,6 @@ def _installed_directories() -> tuple[str, ...]:
 def _generated_directories() -> tuple[str, ...]:
     """Where torch writes the code it generates and imports (Inductor's kernels and wrappers):
     compiled steps, not the user's code, and loaded only once something has been compiled."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     return (os.path.join(os.path.realpath(cache_dir()), ""),)
 
 
@@ -149,8 +146,8 @@ def _arguments_signature(args: tuple) -> str:
 
 def _settings_signature() -> str:
     return repr((
-        torch.__version__, sys.version, sorted(torch._inductor.config.save_config_portable().items()),
-        sorted(torch._functorch.config.save_config_portable().items()),
+        torch.__version__, sys.version, sorted(inductor_config.save_config_portable().items()),
+        sorted(functorch_config.save_config_portable().items()),
         torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled(),
         torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled(),
     ))
@@ -173,9 +170,6 @@ def _discarded_tracing_context():
     and some of them (``ImportSource``, for the modules a graph imports, as ``scan``'s does) install
     a guard in the current tracing context as they are created, which fails outside a trace. The
     loaded step has these guards already."""
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with tracing(TracingContext(FakeTensorMode())):
         yield
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._functorch.partitioners import cleanup_recompute_tags, must_recompute
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from lmfunc.compiler.torch_compat.tracing import cleanup_recompute_tags, must_recompute
+from lmfunc.compiler.torch_compat.inductor import CustomGraphPass, get_hash_for_files
 
 from lmfunc.compiler import collective_buckets, cpp_flags, inplace_reuse, regather, saved_values
 from lmfunc.compiler.saved_values import is_backward, tag_recompute

@@ -44,8 +44,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.fx_passes.bucketing import is_all_gather_into_tensor, is_wait_tensor
+from lmfunc.compiler.torch_compat.inductor import CustomGraphPass, get_hash_for_files
+from lmfunc.compiler.torch_compat.inductor import is_all_gather_into_tensor, is_wait_tensor
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lmfunc.compiler import collective_buckets, saved_values

@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.pattern_matcher import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
-from torch.utils import _pytree as pytree
+from lmfunc.compiler.torch_compat.inductor import CustomGraphPass, get_hash_for_files
+from lmfunc.compiler.torch_compat.inductor import CallFunctionVarArgs, Match, PatternMatcherPass, register_graph_pattern
+from lmfunc.compiler.torch_compat.tensors import pytree
 
 SCAN = torch.ops.higher_order.scan
 FLIPS = (torch.ops.aten.flip.default, torch.ops.prims.rev.default)

@@ -28,7 +28,7 @@ RNG_STATE_INPUT = "rng_state_output_"
 
 
 def _is_opaque(node) -> bool:
-    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+    from lmfunc.compiler.torch_compat.tracing import is_opaque_node
 
     return is_opaque_node(node)
 
@@ -60,7 +60,7 @@ def _move_rng_inputs_before_opaque(bw_module: fx.GraphModule) -> None:
 def saved_rng_states_before_opaque_objects() -> Iterator[None]:
     """While inside: the partitioner saves a recomputed random op's RNG state among the saved
     tensors, before the saved opaque objects (module docstring)."""
-    from torch._functorch import partitioners
+    from lmfunc.compiler.torch_compat.tracing import partitioners
 
     functionalize = partitioners.functionalize_rng_ops
 

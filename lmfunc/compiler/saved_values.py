@@ -20,11 +20,12 @@ import warnings
 
 import networkx as nx
 import torch
-import torch._inductor.config
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 import torch.fx as fx
-from torch._functorch.partitioners import must_recompute
 from torch.utils.checkpoint import CheckpointPolicy
+
+from lmfunc.compiler.torch_compat.inductor import inductor_config
+from lmfunc.compiler.torch_compat.tensors import OpOverload
+from lmfunc.compiler.torch_compat.tracing import must_recompute, optimization_hint
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -50,7 +51,7 @@ def recomputable(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+    if not isinstance(target, OpOverload) or target.namespace not in ("aten", "prims"):
         return False
     if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
         return False
@@ -58,13 +59,13 @@ def recomputable(node: fx.Node) -> bool:
 
 
 def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    return node.op == "call_function" and isinstance(node.target, OpOverload) and node.target.is_view
 
 
 def size_estimate(size: int | torch.SymInt) -> int:
     """``size`` as an int: a size known only at run time (an unbacked size) at Inductor's estimate,
     each unknown at ``unbacked_symint_fallback``, without adding a guard."""
-    return optimization_hint(size, fallback=torch._inductor.config.unbacked_symint_fallback)
+    return optimization_hint(size, fallback=inductor_config.unbacked_symint_fallback)
 
 
 def _bytes(node: fx.Node) -> int | None:

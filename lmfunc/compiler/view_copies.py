@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from lmfunc.compiler.torch_compat.inductor import CustomGraphPass, get_hash_for_files
 
 aten = torch.ops.aten
 SLICE_COPY = aten.slice_copy.Tensor

@@ -13,6 +13,8 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from lmfunc.compiler.torch_compat import too_old_message
+from lmfunc.compiler.torch_compat.tracing import TRACES_AUTOGRAD_GRAD
 from lmfunc.config.model import ConfigError
 
 DESCRIPTION = """Dry run: trace the step `python -m lmfunc.train` would run, for a target world of GPUs, on this
@@ -65,6 +67,9 @@ def dry_run(argv: Optional[Sequence[str]] = None) -> dict:
     cfg, known = parse_config(argv, "python -m lmfunc.dryrun", DESCRIPTION, extra=TARGET_OPTIONS)
     world = world_size_for(cfg, known.world_size)
     cfg = cfg.validate(world)
+    if not TRACES_AUTOGRAD_GRAD:
+        raise ConfigError(too_old_message(2, 13, "the dry run (the compiled step traced on a fake DTensor mesh)")
+                          + "; python -m lmfunc.plan gives the plan alone")
     for flag in ("gpus_per_node", "peak_tflops", "gpu_memory_gib", "nvlink_gbps", "network_gbps", "expert_load"):
         value = getattr(known, flag)
         if value is not None and value <= 0:

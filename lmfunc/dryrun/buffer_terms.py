@@ -40,6 +40,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from lmfunc.compiler.torch_compat.tensors import HigherOrderOperator, OpOverload
 from lmfunc.plan.memory import GRADIENTS_TERM, KEPT_TERM, WORKING_TERM
 
 aten = torch.ops.aten
@@ -59,7 +60,7 @@ factor, the loss scale's inverse)."""
 
 
 def _control_deps():
-    from torch._inductor.fx_passes.control_dependencies import control_deps
+    from lmfunc.compiler.torch_compat.inductor import control_deps
 
     return control_deps
 
@@ -80,7 +81,7 @@ def _target(node: fx.Node, control_deps) -> object:
 def _is_alias(target: object) -> bool:
     """Whether an op's result is (a view of) its first input's storage: views and the wait of a
     functional collective (not ``getitem``: each output of a multi-output op is a tensor of its own)."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return (target.is_view or target is aten._unsafe_view.default
                 or (target.namespace == "_c10d_functional" and target._opname == "wait_tensor"))
     return False
@@ -146,7 +147,7 @@ class ValueTerms:
             target = self.targets[node]
             reads_backward = any(self.base(arg) in backward for arg in self.inputs[node])
             if (node.meta.get("autograd_backward", False)
-                    or (isinstance(target, torch._ops.HigherOrderOperator) and reads_backward)
+                    or (isinstance(target, HigherOrderOperator) and reads_backward)
                     or (target is operator.getitem and reads_backward)):
                 backward.add(node)
         return backward
@@ -170,7 +171,7 @@ class ValueTerms:
 
     def _moves_gradients(self, node: fx.Node) -> bool:
         target = self.targets[node]
-        if isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional":
+        if isinstance(target, OpOverload) and target.namespace == "_c10d_functional":
             return target._opname.startswith(("reduce_scatter", "all_reduce"))
         if target in _GRADIENT_MOVES:
             return True

@@ -21,6 +21,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from lmfunc.compiler.collective_buckets import DEFAULT_BUCKET_MB
+from lmfunc.compiler.torch_compat.inductor import inductor_config
+from lmfunc.compiler.torch_compat.tracing import functorch_config
 from lmfunc.compiler.compiling import compile_settings, inductor_options, options_for_graph
 from lmfunc.compiler.saved_values import size_estimate
 from lmfunc.config.train import TrainConfig
@@ -97,8 +99,8 @@ class ScheduledMemory:
 
 def _input_last_uses(lowering, nodes: list) -> tuple[tuple[int, int, int], ...]:
     """``ScheduledMemory.input_last_uses`` of a scheduled ``GraphLowering``."""
-    from torch._inductor.memory import get_freeable_input_buf
-    from torch.utils._ordered_set import OrderedSet
+    from lmfunc.compiler.torch_compat.scheduling import get_freeable_input_buf
+    from lmfunc.compiler.torch_compat.inductor import OrderedSet
 
     step_of = {node: step for step, node in enumerate(nodes)}
     names = list(lowering.graph_input_names)
@@ -118,7 +120,7 @@ def _allocate_with_first_writer(infos: list) -> None:
     slices allocate nothing. Inductor's timeline counts each slice from its writer and the whole
     buffer from the concatenation on: a data-parallel step's gradient bucket, written from the
     backward's first gradient on, went missing from the peak."""
-    from torch._inductor.ir import NonOwningLayout
+    from lmfunc.compiler.torch_compat.scheduling import NonOwningLayout
 
     by_name = {info.buffer.get_name(): info for info in infos}
     for info in infos:
@@ -139,11 +141,11 @@ def _size_unknowns(lowering, infos: list) -> None:
     (``torch._inductor.memory``) counts them as 0 bytes, which hid most of an expert-parallel step's
     working set; the sizes follow Inductor's own rules otherwise (a renamed mutation and a buffer
     with no layout hold nothing; a multi-output kernel allocates its outputs)."""
-    from torch._inductor.ir import MultiOutput, MultiOutputLayout, NoneLayout
-    from torch._inductor.utils import get_dtype_size
+    from lmfunc.compiler.torch_compat.scheduling import MultiOutput, MultiOutputLayout, NoneLayout
+    from lmfunc.compiler.torch_compat.scheduling import get_dtype_size
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    fallback = torch._inductor.config.unbacked_symint_fallback
+    fallback = inductor_config.unbacked_symint_fallback
     renamed = lowering.scheduler.mutation_real_name
     by_name = {info.buffer.get_name(): info for info in infos}
     for info in infos:
@@ -164,8 +166,8 @@ def _size_unknowns(lowering, infos: list) -> None:
 
 def _scheduled_memory(lowering, largest: int = 5) -> ScheduledMemory:
     """``ScheduledMemory`` of a ``GraphLowering`` whose scheduler has been built."""
-    from torch._inductor.memory import compute_memory_timeline, peak_memory_from_buf_info_list, prepare_planning_info
-    from torch.utils._ordered_set import OrderedSet
+    from lmfunc.compiler.torch_compat.scheduling import compute_memory_timeline, peak_memory_from_buf_info_list, prepare_planning_info
+    from lmfunc.compiler.torch_compat.inductor import OrderedSet
 
     scheduler = lowering.scheduler
     nodes, outputs = scheduler.nodes, OrderedSet(lowering.get_output_names())
@@ -196,7 +198,7 @@ def _stop_at_code_generation(sink: list) -> Iterator[None]:
     inputs, ``ScheduledMemory``) in ``sink`` and raises ``_Captured``."""
     from unittest import mock
 
-    from torch._inductor.graph import GraphLowering
+    from lmfunc.compiler.torch_compat.scheduling import GraphLowering
 
     def codegen(lowering):
         lowering.init_wrapper_code()
@@ -233,8 +235,8 @@ def capturing_backend(sink: list, options: dict, runner: Optional[GraphRunner] =
     Each backward is captured with its forward, not at its first call: AOTAutograd's lazy backward
     compile deep-copies the backward graph, whose lifted constants are real tensors, and under the
     fake mode that surrounds a pipeline step the copy fails (a deepseek-v3-tiny stage on pp 2)."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._inductor.exc import InductorError
+    from lmfunc.compiler.torch_compat.scheduling import compile_fx, compile_fx_inner
+    from lmfunc.compiler.torch_compat.scheduling import InductorError
 
     def inner(graph: torch.fx.GraphModule, example_inputs: list, **kwargs) -> Callable:
         if runner is not None:
@@ -257,7 +259,7 @@ def capturing_backend(sink: list, options: dict, runner: Optional[GraphRunner] =
     def backend(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         patches = {**options_for_graph(graph, options), **NO_COMPILE_CACHES}
         try:
-            with compile_settings(), torch._functorch.config.patch(enable_autograd_cache=False,
+            with compile_settings(), functorch_config.patch(enable_autograd_cache=False,
                                                                    force_non_lazy_backward_lowering=True):
                 return compile_fx(graph, example_inputs, inner_compile=inner, config_patches=patches)
         except _Captured:
@@ -294,7 +296,7 @@ def trace(world_size: int, rank: int, sizes: dict[str, int], make: StepInputs,
     """The graph of the step ``make`` builds for ``rank`` of a world of ``world_size`` ranks with the
     mesh ``sizes`` (resolved), traced on fake tensors and a fake process group: nothing is
     allocated but the trace's own memory."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from lmfunc.compiler.torch_compat.tracing import FakeTensorMode
 
     began = time.perf_counter()
     with fake_world(world_size, rank):

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 import torch
 from torch import fx
 
+from lmfunc.compiler.torch_compat.tensors import OpOverload, pytree
 from lmfunc.dryrun.capture import CapturedStep, estimated
 from lmfunc.plan.memory import STATE_TERM
 
@@ -105,11 +106,11 @@ def _tensor_bytes(value) -> Optional[int]:
 
 def _is_collective(node: fx.Node) -> bool:
     target = node.target
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+    return (isinstance(target, OpOverload) and target.namespace == "_c10d_functional"
             and not target._opname.startswith("wait"))
 
 
-def collective_kind(target: torch._ops.OpOverload) -> str:
+def collective_kind(target: OpOverload) -> str:
     """``all_reduce`` for ``all_reduce``, ``all_reduce_`` and ``..._out``."""
     return target._opname.removesuffix("_out").rstrip("_")
 
@@ -177,7 +178,7 @@ def differences_from_measured(uses: list[CollectiveUse], counts: dict[str, int],
 
 
 def _vals(args):
-    return torch.utils._pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, args)
+    return pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, args)
 
 
 def _attention_flops(node: fx.Node) -> Optional[object]:
@@ -204,7 +205,7 @@ def _grouped_mm_flops(node: fx.Node) -> Optional[object]:
     grad [T, N])`` each multiply every row once: ``2 T K N``. ``T``, the rows routed to this rank's
     experts, is known only at run time under expert parallelism (a symbol, which ``flops``
     estimates)."""
-    name = node.target.name() if isinstance(node.target, torch._ops.OpOverload) else ""
+    name = node.target.name() if isinstance(node.target, OpOverload) else ""
     if name not in ("lmfunc::grouped_mm", "lmfunc::grouped_mm_weight_grad"):
         return None
     rows, other = (node.args[0].meta["val"].shape, node.args[1].meta["val"].shape)

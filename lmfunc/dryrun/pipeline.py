@@ -34,17 +34,15 @@ import time
 import weakref
 from collections import Counter, defaultdict
 from typing import Iterator, Optional
-from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import schedules
-from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lmfunc.compiler.torch_compat.distributed import pipeline_shapes_without_vote, receive_buffers_made_inside
+from lmfunc.compiler.torch_compat.tensors import HigherOrderOperator, TorchDispatchMode, pytree
+from lmfunc.compiler.torch_compat.tracing import functorch_config
 from lmfunc.config.train import TrainConfig
 from lmfunc.dryrun.capture import CapturedStep, batch_plan, capturing_backend, estimated, fake_batch
 from lmfunc.dryrun.graph_report import CollectiveUse, MemoryReport, StepFacts, collective_kind, collectives, flops
@@ -115,7 +113,7 @@ class StepRecorder(TorchDispatchMode):
 
     def hold(self, tree, maker: str = INPUTS) -> None:
         """Count every tensor in ``tree`` as alive until it is freed, as made by ``maker``."""
-        for leaf in tree_leaves(tree):
+        for leaf in pytree.tree_leaves(tree):
             if isinstance(leaf, torch.Tensor):
                 self._hold_storage(*_storage_bytes(leaf), maker)
 
@@ -160,7 +158,7 @@ class StepRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.inside and not isinstance(func, torch._ops.HigherOrderOperator):
+        if not self.inside and not isinstance(func, HigherOrderOperator):
             self._record_collective(func, args)
             self.hold(out, self.allocating or f"eager {func.overloadpacket.__name__}")
             if self.live() > self.peak_between_graphs:
@@ -177,7 +175,7 @@ class StepRecorder(TorchDispatchMode):
             group = dist.ProcessGroup.unbox(args[1]).group_name  # (tensors, process_group, ...)
         else:
             return
-        tensors = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in pytree.tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
         elements = sum(int(t.numel()) for t in tensors)
         self.eager.append((kind, str(group), elements, sum(int(t.numel()) * t.element_size() for t in tensors)))
 
@@ -247,7 +245,7 @@ def _output_makers(graph: torch.fx.GraphModule) -> list[str]:
     collective's wait (``input`` for a view of an input)."""
     output = next(iter(graph.graph.find_nodes(op="output")))
     makers = []
-    for node in tree_leaves(output.args[0]):
+    for node in pytree.tree_leaves(output.args[0]):
         while isinstance(node, torch.fx.Node) and node.op == "call_function" and (
                 getattr(node.target, "_opname", "") == "wait_tensor" or getattr(node.target, "is_view", False)
                 or node.target is operator.getitem):
@@ -259,29 +257,13 @@ def _output_makers(graph: torch.fx.GraphModule) -> list[str]:
     return makers
 
 
-def _static_vote(self, stages, has_backward, p2p_done) -> None:
-    """``_PipelineSchedule._warmup_p2p``'s outcome where every stage was given its shapes."""
-    for stage in stages:
-        if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
-            raise RuntimeError(f"pipeline stage {stage.stage_index} was built without its shapes: the dry run needs them")
-        stage._inference_mode = InferenceMode.STATIC
-
-
 @contextlib.contextmanager
 def _dry_run_settings(recorder: StepRecorder) -> Iterator[None]:
-    """torch's start-up vote given its outcome (``_static_vote``), no compile cache, and the stages'
-    receive buffers counted as such (torch's ``stage._make_tensor_from_meta`` makes each one)."""
-    from torch.distributed.pipelining import stage
-
-    make_buffer = stage._make_tensor_from_meta
-
-    def receive_buffer(*args, **kwargs):
-        with recorder.receive_buffers():
-            return make_buffer(*args, **kwargs)
-
-    with mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", _static_vote), \
-            mock.patch.object(stage, "_make_tensor_from_meta", receive_buffer), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    """The stages' given shapes taken without torch's start-up vote (``pipeline_shapes_without_vote``),
+    no compile cache, and the stages' receive buffers counted as such (made inside
+    ``recorder.receive_buffers()``)."""
+    with pipeline_shapes_without_vote(), receive_buffers_made_inside(recorder.receive_buffers), \
+            functorch_config.patch(enable_autograd_cache=False):
         yield
 
 
@@ -308,7 +290,7 @@ def trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int, expert_loa
 
 
 def _trace_pipeline_rank(cfg: TrainConfig, world_size: int, rank: int) -> StepFacts:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from lmfunc.compiler.torch_compat.tracing import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     cfg = cfg.replace(run=dataclasses.replace(cfg.run, compile=True))

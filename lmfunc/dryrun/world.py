@@ -17,7 +17,7 @@ from lmfunc.parallel.mesh import named_mesh
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """While inside: the default process group is torch's fake backend with ``world_size`` ranks,
     this process being ``rank`` (nothing is sent; a collective returns its output buffer as it is)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from lmfunc.compiler.torch_compat.distributed import fake_pg  # noqa: F401  (registers the "fake" backend)
 
     if dist.is_initialized():
         raise ConfigError("a dry run starts its own (fake) process group: run it as one process, not under torchrun")
@@ -34,12 +34,12 @@ def _forget_meshes() -> None:
     """Clear DTensor's caches of sharding decisions. They are keyed by mesh equality (shape, ranks,
     dim names), so a mesh of an earlier (fake) world that equals this one would hand its destroyed
     process groups to the next trace."""
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
+    from lmfunc.compiler.torch_compat.distributed import (clear_fast_path_sharding_prop_cache, clear_python_sharding_prop_cache,
+                                                   gen_transform_infos)
 
-    _clear_python_sharding_prop_cache()
-    _clear_fast_path_sharding_prop_cache()
-    _gen_transform_infos.cache_clear()
+    clear_python_sharding_prop_cache()
+    clear_fast_path_sharding_prop_cache()
+    gen_transform_infos.cache_clear()
 
 
 def mesh_of(sizes: dict[str, int]) -> Optional[DeviceMesh]:
@@ -63,10 +63,10 @@ def group_dims(mesh: Optional[DeviceMesh]) -> tuple[dict[str, str], dict[str, li
         spanned = [d for i, d in enumerate(dims) if mask >> i & 1]
         index = tuple(slice(None) if d in spanned else coordinate[i] for i, d in enumerate(dims))
         by_ranks[frozenset(mesh.mesh[index].flatten().tolist())] = "+".join(spanned)
-    from torch.distributed.distributed_c10d import _world
+    from lmfunc.compiler.torch_compat.distributed import c10d_world
 
     dims_ranks = {dims: sorted(members) for members, dims in by_ranks.items()} | {"world": world}
-    for group in list(_world.pg_names):
+    for group in list(c10d_world.pg_names):
         try:
             ranks = frozenset(dist.get_process_group_ranks(group))
         except (RuntimeError, ValueError):  # a group this rank is not in

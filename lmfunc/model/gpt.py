@@ -187,7 +187,8 @@ def _scan_blocks(run_block, stacked: Params, x: torch.Tensor, cfg: ModelConfig, 
     """``run_block`` over the stacked block leaves ``[L, ...]`` with torch's ``scan``: the same
     blocks as the unrolled loop (each block's dropout stream comes from its index, a scanned
     ``[L]`` tensor), traced once. Returns the last block's output ``[B, S, h]``."""
-    from torch._higher_order_ops.scan import scan
+    from lmfunc.compiler.torch_compat.tensors import scan
+    from lmfunc.compiler.torch_compat.tracing import scan_settings
 
     def body(carry: torch.Tensor, layer: tuple[Params, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         p, index = layer
@@ -195,7 +196,8 @@ def _scan_blocks(run_block, stacked: Params, x: torch.Tensor, cfg: ModelConfig, 
         return out, out.new_zeros(())
 
     indices = torch.arange(cfg.num_layers, device=x.device)
-    x, _ = scan(body, x, (stacked, indices))
+    with scan_settings():
+        x, _ = scan(body, x, (stacked, indices))
     return x
 
 

@@ -28,6 +28,7 @@ from typing import Literal, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from lmfunc.compiler.torch_compat.tensors import grouped_mm as torch_grouped_mm
 from lmfunc.config import ModelConfig
 from lmfunc.grad import attach_aux_loss
 from lmfunc.model import layers
@@ -116,7 +117,7 @@ def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) ->
     so the compiled step calls the same kernel as eager code whatever the dtype: the kernel's
     tracing rule takes bf16 only."""
     if rows.dtype in GROUPED_DTYPES:
-        return torch._grouped_mm(rows.contiguous(), weights, offs=ends)
+        return torch_grouped_mm(rows.contiguous(), weights, offs=ends)
     starts = [0] + ends.tolist()[:-1]
     return torch.cat([rows[a:b] @ weights[e] for e, (a, b) in enumerate(zip(starts, ends.tolist()))])
 
@@ -131,7 +132,7 @@ def grouped_mm_weight_grad(rows: torch.Tensor, grad: torch.Tensor, ends: torch.T
     """The gradient of ``grouped_mm``'s weights ``[E, K, N]``: group e's ``rows[group].T @
     grad[group]`` for ``rows`` ``[T, K]`` and ``grad`` ``[T, N]`` (zero for an empty group)."""
     if rows.dtype in GROUPED_DTYPES:
-        return torch._grouped_mm(rows.t(), grad.contiguous(), offs=ends)
+        return torch_grouped_mm(rows.t(), grad.contiguous(), offs=ends)
     starts = [0] + ends.tolist()[:-1]
     return torch.stack([rows[a:b].t() @ grad[a:b] for a, b in zip(starts, ends.tolist())])
 

@@ -4,7 +4,7 @@ A ``GradientTransformation`` is a pair of pure functions: ``init(params) -> stat
 ``update(updates, state, params) -> (updates, state)``. Transformations compose with
 ``chain``; ``adamw`` is ``chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)``.
 States are NamedTuples of tensors (pytrees), so they checkpoint and compile like params.
-Leaf-wise arithmetic uses ``torch._foreach_*`` over the flattened leaves (one fused kernel
+Leaf-wise arithmetic uses torch's foreach ops (``torch_compat.tensors``) over the flattened leaves (one fused kernel
 group per op, and faster to compile than a per-leaf Python loop).
 """
 
@@ -14,6 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
+from lmfunc.compiler.torch_compat.tensors import foreach_add, foreach_div, foreach_mul, foreach_norm, foreach_sqrt, foreach_sub
 from lmfunc.tree import PyTree, tree_device, tree_leaves, tree_map, tree_unflatten_as
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
@@ -80,14 +81,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     def update(updates: PyTree, state: ScaleByAdamState, params: Optional[PyTree] = None):
         grads = tree_leaves(updates)
         mu, nu = tree_leaves(state.mu), tree_leaves(state.nu)
-        mu = torch._foreach_add(mu, torch._foreach_sub(grads, mu), alpha=1.0 - b1)
-        nu = torch._foreach_add(nu, torch._foreach_sub(torch._foreach_mul(grads, grads), nu), alpha=1.0 - b2)
+        mu = foreach_add(mu, foreach_sub(grads, mu), alpha=1.0 - b1)
+        nu = foreach_add(nu, foreach_sub(foreach_mul(grads, grads), nu), alpha=1.0 - b2)
         count = state.count + 1
         step = count.to(torch.float32)
         bias1 = 1.0 - torch.pow(b1, step)
         bias2 = 1.0 - torch.pow(b2, step)
-        denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(nu, bias2)), eps)
-        direction = torch._foreach_div(torch._foreach_div(mu, bias1), denom)
+        denom = foreach_add(foreach_sqrt(foreach_div(nu, bias2)), eps)
+        direction = foreach_div(foreach_div(mu, bias1), denom)
         new_state = ScaleByAdamState(count, tree_unflatten_as(state.mu, mu), tree_unflatten_as(state.nu, nu))
         return tree_unflatten_as(updates, direction), new_state
 
@@ -124,7 +125,7 @@ def add_decayed_weights(weight_decay: float, mask: Optional[Mask] = None) -> Gra
         param_leaves = tree_leaves(params)
         flags = _resolve_mask(mask, params) if mask is not None else [True] * len(leaves)
         chosen = [i for i, f in enumerate(flags) if f]
-        decayed = torch._foreach_add([leaves[i] for i in chosen], [param_leaves[i] for i in chosen], alpha=weight_decay)
+        decayed = foreach_add([leaves[i] for i in chosen], [param_leaves[i] for i in chosen], alpha=weight_decay)
         for i, value in zip(chosen, decayed):
             leaves[i] = value
         return tree_unflatten_as(updates, leaves), state
@@ -134,7 +135,7 @@ def add_decayed_weights(weight_decay: float, mask: Optional[Mask] = None) -> Gra
 
 def global_norm(tree: PyTree) -> torch.Tensor:
     """L2 norm over all leaves of ``tree`` (fp32 scalar)."""
-    norms = torch._foreach_norm([leaf.float() for leaf in tree_leaves(tree)])
+    norms = foreach_norm([leaf.float() for leaf in tree_leaves(tree)])
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
@@ -148,7 +149,7 @@ def clip_by_global_norm_with_norm(tree: PyTree, max_norm: float,
     """
     norm = global_norm(tree) if norm is None else norm
     coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return tree_unflatten_as(tree, torch._foreach_mul(tree_leaves(tree), coeff)), norm
+    return tree_unflatten_as(tree, foreach_mul(tree_leaves(tree), coeff)), norm
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -169,7 +170,7 @@ def scale_by_schedule(schedule: Schedule) -> GradientTransformation:
 
     def update(updates: PyTree, state: ScaleByScheduleState, params: Optional[PyTree] = None):
         factor = schedule(state.count).to(torch.float32)
-        scaled = tree_unflatten_as(updates, torch._foreach_mul(tree_leaves(updates), factor))
+        scaled = tree_unflatten_as(updates, foreach_mul(tree_leaves(updates), factor))
         return scaled, ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init, update)
@@ -190,7 +191,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """``params + updates`` leaf-wise, keeping each param's dtype."""
     leaves = tree_leaves(params)
     deltas = [u.to(p.dtype) for p, u in zip(leaves, tree_leaves(updates))]
-    return tree_unflatten_as(params, torch._foreach_add(leaves, deltas))
+    return tree_unflatten_as(params, foreach_add(leaves, deltas))
 
 
 def adamw(

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from lmfunc.compiler.torch_compat.tensors import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 

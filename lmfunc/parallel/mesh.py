@@ -122,7 +122,7 @@ def use_compile_cache_for(mesh: DeviceMesh) -> None:
     mesh keeps ``rank<r>/``, shared with the same rank of other jobs: on gloo a group's name is the
     count of groups made before it, the same for the same rank of the same mesh, and a mesh of
     other sizes or dims hashes to other keys."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from lmfunc.compiler.torch_compat.inductor import cache_dir
 
     base = cache_dir()
     if re.fullmatch(r"rank\d+", os.path.basename(base)):
@@ -141,7 +141,7 @@ that is not a pipeline's, whose stages' graphs differ), or None."""
 def ranks_compile_in_turn() -> bool:
     """Whether this process's ranks trace alike and share the current Inductor cache directory, so
     that compiling in turn lets all but one load each graph (``use_compile_cache_for``)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from lmfunc.compiler.torch_compat.inductor import cache_dir
 
     return _COMPILING_IN_TURN[0] is not None and _COMPILING_IN_TURN[0] == cache_dir()
 

@@ -49,6 +49,7 @@ from lmfunc.train.signals import StopRequests
 from lmfunc.train.skipped_steps import first_step_overflow, mostly_skipped
 from lmfunc.train.state import TrainState
 from lmfunc.train.run_step import run_eval_step, run_train_step
+from lmfunc.train.torch_support import refuse_what_this_torch_cannot
 from lmfunc.train.step import evaluate
 
 
@@ -69,6 +70,7 @@ def train(cfg: TrainConfig) -> RunResult:
     """Train ``cfg`` (validated first) and return the run's losses, directory and sample."""
     world_size = launched_world_size()
     cfg = cfg.validate(world_size)
+    refuse_what_this_torch_cannot(cfg.model, world_size, cfg.run.compile)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lmfunc.compiler.torch_compat.tensors import foreach_div
 from lmfunc.model import moe
 from lmfunc.optim import apply_updates, clip_by_global_norm_with_norm, global_norm
 from lmfunc.precision import all_finite
@@ -33,7 +34,7 @@ def pipeline_update(state, grads, sums, tx, clip_grad, loss_scale, group, lr_sch
     leaves = [leaf for _, leaf in flatten_with_paths(grads)]
     found_inf = None
     if scale is not None:
-        leaves = torch._foreach_div(leaves, scale)
+        leaves = foreach_div(leaves, scale)
         overflow = (~all_finite(leaves)).to(torch.float32)
         dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)
         found_inf = overflow > 0

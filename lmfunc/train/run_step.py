@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 
+from lmfunc.compiler.torch_compat.inductor import inductor_config
 from lmfunc.config.train import TrainConfig
 from lmfunc.optim import GradientTransformation
 from lmfunc.optim.transforms import Schedule
@@ -69,5 +70,5 @@ def even_expert_share(cfg: TrainConfig, sizes: dict[str, int], load: float = 1.0
         return
     if not load > 0:
         raise ValueError(f"even_expert_share(load={load}): the rows' multiple of an even share must be positive")
-    with torch._inductor.config.patch(unbacked_symint_fallback=max(1, round(rows * load))):
+    with inductor_config.patch(unbacked_symint_fallback=max(1, round(rows * load))):
         yield

@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import register_dataclass
 
+from lmfunc.compiler.torch_compat.tensors import register_dataclass
 from lmfunc.optim import GradientTransformation
 from lmfunc.precision import LossScaleConfig, init_loss_scale
 from lmfunc.tree import PyTree, tree_device

@@ -14,10 +14,10 @@ import contextlib
 from typing import Callable, Mapping, Optional, Union
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from lmfunc.compiler.torch_compat.tensors import foreach_add, foreach_div, is_fake
 from lmfunc.config import ModelConfig
 from lmfunc.compiler.accumulation_order import mark_accumulation, mark_microbatch
 from lmfunc.grad import value_and_grad
@@ -223,7 +223,7 @@ def make_train_step(
                 grad_leaves = leaves
             else:
                 with mark_accumulation(i):
-                    grad_leaves = torch._foreach_add(grad_leaves, leaves)
+                    grad_leaves = foreach_add(grad_leaves, leaves)
             loss_total = loss_total + main_loss(out)
             if cfg.mtp_num_layers:
                 mtp_sums, mtp_counts = mtp_sums + out.mtp_loss_sums, mtp_counts + out.mtp_num_tokens
@@ -231,7 +231,7 @@ def make_train_step(
                 router = out.router if router is None else moe.RouterStats(*(a + b for a, b in zip(router, out.router)))
         found_inf = None
         if scale is not None:
-            grad_leaves = torch._foreach_div(grad_leaves, scale)
+            grad_leaves = foreach_div(grad_leaves, scale)
             found_inf = ~all_finite(grad_leaves)
         grads = match_placements(tree_unflatten_as(state.params, grad_leaves), state.params)
         if clip_grad > 0:
