@@ -26,7 +26,7 @@ ENTRIES: dict[str, Private] = {
                        "backend the dry run traces on", "none (torch.distributed has no public fake backend)"),
     "InferenceMode": Private("torch.distributed.pipelining._utils:InferenceMode", "a pipeline stage's shapes "
                              "fixed from its metadata (the dry run, 2.13+)", "none", since=(2, 13)),
-    "make_receive_buffer": Private("torch.distributed.pipelining.stage:_make_tensor_from_meta", "the stages' "
+    "make_receive_buffer": Private("torch.distributed.pipelining._utils:_make_tensor_from_meta", "the stages' "
                                    "receive buffers counted by the dry run (each is made by it)", "none"),
     "PipelineSchedule": Private("torch.distributed.pipelining.schedules:_PipelineSchedule", "the schedules' "
                                 "start-up shape vote (2.11 to 2.14: its _warmup_p2p)", "none"),
@@ -62,16 +62,21 @@ def pipeline_shapes_without_vote() -> Iterator[None]:
 
 @contextlib.contextmanager
 def receive_buffers_made_inside(wrap: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
-    """While inside, each receive buffer a pipeline stage allocates is made inside ``wrap()``."""
+    """While inside, each receive buffer a pipeline stage allocates is made inside ``wrap()``: the
+    ``make_receive_buffer`` calls of the module that allocates them (2.15: ``_recv_buffers``;
+    before: ``stage``) go through ``wrap``."""
+    import importlib
     from unittest import mock
 
-    from torch.distributed.pipelining import stage
-
+    try:
+        allocating = importlib.import_module("torch.distributed.pipelining._recv_buffers")
+    except ImportError:
+        allocating = importlib.import_module("torch.distributed.pipelining.stage")
     make_buffer = __getattr__("make_receive_buffer")
 
     def receive_buffer(*args: Any, **kwargs: Any) -> Any:
         with wrap():
             return make_buffer(*args, **kwargs)
 
-    with mock.patch.object(stage, "_make_tensor_from_meta", receive_buffer):
+    with mock.patch.object(allocating, "_make_tensor_from_meta", receive_buffer):
         yield
