@@ -8,6 +8,7 @@ from typing import Optional
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
+from lmfunc.compiler.torch_compat import torch_at_least
 from lmfunc.config import ConfigError, model_preset
 from lmfunc.parallel.mesh import MESH_DIMS, check_divisibility, resolve_sizes
 from lmfunc.parallel.sharding import DEFAULT_RULES, placements_for
@@ -188,7 +189,11 @@ def test_moe_and_mla_invariance(layout, nproc, flags, request):
         dense = result["leaf_placements"]["layers.1.mlp.router.weight"]
         assert dense.count("Shard(dim=0)") == 1 + ("dp_shard=4" in layout), dense  # FSDP over dp_shard and ep
     if "--compile" in flags:
-        assert result["frames"] == 1 and result["graph_breaks"] == 0, result
+        # torch 2.15 traces the expert-parallel step a second time at step 2: Dynamo guards on the
+        # type of torch.compiler.config's compile_on_one_rank override (a ContextVar that functional
+        # collectives read while resolving the all-to-all's group), which has changed by then. Still
+        # one graph each time, no break, the same numbers (experiments/LOG.md, 2026-12-07)
+        assert result["frames"] == (1 if not torch_at_least(2, 15) else 2) and result["graph_breaks"] == 0, result
         assert result["collectives"]["all_to_all_single"] > 0, result
         assert_dry_run_equals_measured(result, [layout, "out.json", *flags], nproc)
 

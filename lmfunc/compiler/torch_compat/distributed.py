@@ -27,7 +27,8 @@ ENTRIES: dict[str, Private] = {
     "InferenceMode": Private("torch.distributed.pipelining._utils:InferenceMode", "a pipeline stage's shapes "
                              "fixed from its metadata (the dry run, 2.13+)", "none", since=(2, 13)),
     "make_receive_buffer": Private("torch.distributed.pipelining._utils:_make_tensor_from_meta", "the stages' "
-                                   "receive buffers counted by the dry run (each is made by it)", "none"),
+                                   "receive buffers counted by the dry run (each is made by it)", "none",
+                                   since=(2, 13)),
     "PipelineSchedule": Private("torch.distributed.pipelining.schedules:_PipelineSchedule", "the schedules' "
                                 "start-up shape vote (2.11 to 2.14: its _warmup_p2p)", "none"),
 }
